@@ -1,0 +1,58 @@
+"""The exceptions lightning_sync raises when ranks disagree.
+
+Bad arguments raise the builtin ``ValueError``/``TypeError``; the classes here are for the
+distributed failures: every rank can see every rank's value, so every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "CollectiveMismatchError",
+    "LightningSyncError",
+    "ParameterDivergenceError",
+    "RankMismatchError",
+    "format_ranks",
+]
+
+
+def format_ranks(values: Mapping[int, Any] | Sequence[Any]) -> str:
+    """``{0: a, 1: b}`` or ``[a, b]`` -> ``"rank 0 a, rank 1 b"``."""
+    items = values.items() if isinstance(values, Mapping) else enumerate(values)
+    return ", ".join(f"rank {rank} {value}" for rank, value in items)
+
+
+class LightningSyncError(RuntimeError):
+    """Base class of every lightning_sync error about distributed state."""
+
+
+class RankMismatchError(LightningSyncError):
+    """Ranks passed incompatible values (dtype, shape, src, structure) to the same collective.
+
+    Attributes:
+        values: each rank's value, keyed by global rank, as shown in the message.
+    """
+
+    def __init__(self, message: str, values: Mapping[int, Any] | None = None) -> None:
+        super().__init__(message)
+        self.values: dict[int, Any] = dict(values or {})
+
+
+class CollectiveMismatchError(RankMismatchError):
+    """Ranks entered different collectives, or one rank never arrived: the program would hang."""
+
+
+class ParameterDivergenceError(LightningSyncError):
+    """Model replicas hold different parameter or buffer values on different ranks.
+
+    Attributes:
+        name: the first diverging tensor.
+        values: each rank's checksum of it, keyed by global rank.
+    """
+
+    def __init__(self, message: str, name: str = "", values: Mapping[int, Any] | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.values: dict[int, Any] = dict(values or {})

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv (once) with the CPU torch build and lightning_sync installed editable with its test
+# and recipe extras. Re-runs are no-ops unless setup.cfg or constraints.txt changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${LSYNC_VENV:-.venv}
+stamp="$VENV/.lsync-stamp"
+want=$(cat setup.cfg constraints.txt pyproject.toml | sha256sum | cut -c1-16)
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  exit 0
+fi
+echo "bootstrap: creating $VENV (torch CPU build, lightning, torchmetrics, hydra) ..." >&2
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test,recipes]"
+echo "$want" > "$stamp"

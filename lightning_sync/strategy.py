@@ -105,6 +105,16 @@ class SyncDDPStrategy(DDPStrategy):
         self._pending_checkpoint_state = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method == "popen":  # under Hydra: ranks replay only their job (launcher.py)
+            from lightning_sync.launcher import HydraDDPLauncher, hydra_active
+
+            if hydra_active():
+                assert self.cluster_environment is not None
+                self._launcher = HydraDDPLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
     # ------------------------------------------------------------------ teardown
 
     @override

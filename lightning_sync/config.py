@@ -51,7 +51,8 @@ def _register_resolvers() -> None:
     OmegaConf.register_new_resolver("lsync_rank", global_rank, replace=True)
     OmegaConf.register_new_resolver("lsync_rank_zero", lambda value: value if global_rank() == 0 else None,
                                     replace=True)
-    OmegaConf.register_new_resolver("lsync_stamp", run_stamp, replace=True)
+    # Cached in the config object, so a config pickled to another process (submitit) keeps its stamp.
+    OmegaConf.register_new_resolver("lsync_stamp", run_stamp, replace=True, use_cache=True)
 
 
 _register_resolvers()

@@ -44,6 +44,7 @@ def train(cfg: DictConfig) -> float:
     run_dir = Path(cfg.run_dir)
     if global_rank() == 0:
         OmegaConf.save(cfg, run_dir / "config.resolved.yaml", resolve=True)  # once per job
+    log.info("rank %d: pid %d, run dir %s", global_rank(), os.getpid(), run_dir)
     L.seed_everything(cfg.seed, verbose=False)  # ddp_sync then broadcasts rank 0's root seed
     data = instantiate(cfg.data)
     model = instantiate(cfg.model)

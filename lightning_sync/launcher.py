@@ -133,7 +133,9 @@ class HydraDDPLauncher(_SubprocessScriptLauncher):
         if _active is not None and _active.output_dir != _current_output_dir():
             finish_job()  # a job that ended without finish_job(): reap it before starting the next
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if not self.cluster_environment.creates_processes_externally:
+        if self.cluster_environment.creates_processes_externally:
+            _number_process_groups_on()
+        else:
             saved = {key: os.environ.get(key) for key in _LAUNCH_ENV}
             self._call_children_scripts()
             _active = _Job(_current_output_dir(), list(self.procs), saved)
@@ -157,6 +159,24 @@ class HydraDDPLauncher(_SubprocessScriptLauncher):
                 child_env.pop("PL_GLOBAL_SEED", None)
             log.debug("starting local rank %d in %s: %s", local_rank, output_dir, command)
             self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd))
+
+
+_launches = 0
+
+
+def _number_process_groups_on() -> None:
+    # torchrun's workers rendezvous through the agent's store on every init, and
+    # destroy_process_group() resets torch's group counter: the next job's default group would reuse
+    # the previous one's store keys and dial dead peers ("Gloo connectFullMesh failed ... Connection
+    # refused"). Every rank launches the same jobs in the same order, so a per-process count agrees.
+    global _launches
+    _launches += 1
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    world = getattr(c10d, "_world", None)
+    if world is not None and not dist.is_initialized():
+        world.group_count = max(world.group_count, 1000 * _launches)
 
 
 def _current_output_dir() -> str:

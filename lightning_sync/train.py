@@ -44,7 +44,8 @@ def train(cfg: DictConfig) -> float:
     run_dir = Path(cfg.run_dir)
     if global_rank() == 0:
         OmegaConf.save(cfg, run_dir / "config.resolved.yaml", resolve=True)  # once per job
-    log.info("rank %d: pid %d, run dir %s", global_rank(), os.getpid(), run_dir)
+    log.info("rank %d: pid %d, run dir %s, lightning_sync from %s", global_rank(), os.getpid(), run_dir,
+             Path(__file__).parent)
     L.seed_everything(cfg.seed, verbose=False)  # ddp_sync then broadcasts rank 0's root seed
     data = instantiate(cfg.data)
     model = instantiate(cfg.model)
@@ -54,16 +55,17 @@ def train(cfg: DictConfig) -> float:
     failed = True
     try:
         trainer.fit(model, datamodule=data)
+        port = os.environ.get("MASTER_PORT")
         if cfg.validate_after_fit:
             trainer.validate(model, datamodule=data, verbose=False)
         failed = False
     finally:
         finish_job(failed=failed)  # rank 0: reap this job's ranks, restore the environment
     acc = float(trainer.callback_metrics.get("val/acc", float("nan")))
-    log.info("rank %d/%d done: lr=%s seed=%s val/acc=%.4f", trainer.global_rank, trainer.world_size,
-             cfg.model.get("lr"), cfg.seed, acc)
+    log.info("rank %d/%d done: lr=%s seed=%s master port %s val/acc=%.4f", trainer.global_rank,
+             trainer.world_size, cfg.model.get("lr"), cfg.seed, port, acc)
     if trainer.global_rank == 0:
-        summary = {"seed": getattr(trainer.strategy, "seed", None) or cfg.seed, "world_size": trainer.world_size,
+        summary = {"seed": cfg.seed if getattr(trainer.strategy, "seed", None) is None else trainer.strategy.seed, "world_size": trainer.world_size,
                    "val_acc": acc, "val_size": len(data.val_set) if data.val_set is not None else None,
                    "lr": cfg.model.get("lr"), "epochs": trainer.current_epoch, "run_dir": str(run_dir),
                    "wall_s": round(time.perf_counter() - started, 1)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -56,6 +57,8 @@ def _register_resolvers() -> None:
 
 
 _register_resolvers()
+# conf/hydra/launcher/*.yaml spell out every field of the plugins' schemas of the same name on purpose.
+warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
 
 
 # ---------------------------------------------------------------------------------------- checks

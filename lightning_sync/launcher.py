@@ -134,7 +134,8 @@ class HydraDDPLauncher(_SubprocessScriptLauncher):
             finish_job()  # a job that ended without finish_job(): reap it before starting the next
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if self.cluster_environment.creates_processes_externally:
-            _number_process_groups_on()
+            if "LSYNC_GLOBAL_RANK" not in os.environ:  # ranks of torchrun/srun, not ours
+                _number_process_groups_on()
         else:
             saved = {key: os.environ.get(key) for key in _LAUNCH_ENV}
             self._call_children_scripts()
@@ -150,7 +151,8 @@ class HydraDDPLauncher(_SubprocessScriptLauncher):
         env = self.cluster_environment
         node_rank = env.node_rank()
         os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port), NODE_RANK=str(node_rank),
-                          LOCAL_RANK=str(env.local_rank()), WORLD_SIZE=str(self.num_processes * self.num_nodes))
+                          LOCAL_RANK=str(env.local_rank()), WORLD_SIZE=str(self.num_processes * self.num_nodes),
+                          LSYNC_GLOBAL_RANK=str(node_rank * self.num_processes))
         for local_rank in range(1, self.num_processes):
             command, cwd, output_dir = rank_command(local_rank)
             child_env = dict(os.environ, LOCAL_RANK=str(local_rank),
@@ -158,7 +160,17 @@ class HydraDDPLauncher(_SubprocessScriptLauncher):
             if os.environ.get("PL_GLOBAL_SEED") is None:
                 child_env.pop("PL_GLOBAL_SEED", None)
             log.debug("starting local rank %d in %s: %s", local_rank, output_dir, command)
-            self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd))
+            self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd, preexec_fn=_die_with_parent))
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: if rank 0 is killed (timeout, OOM, SIGKILL from Lightning's
+    # observer), its ranks go too instead of waiting 30 min in a collective. Linux only.
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 _launches = 0
@@ -169,6 +181,7 @@ def _number_process_groups_on() -> None:
     # destroy_process_group() resets torch's group counter: the next job's default group would reuse
     # the previous one's store keys and dial dead peers ("Gloo connectFullMesh failed ... Connection
     # refused"). Every rank launches the same jobs in the same order, so a per-process count agrees.
+    # (Ranks started by HydraDDPLauncher get a fresh store from rank 0 on every init: not needed there.)
     global _launches
     _launches += 1
     import torch.distributed as dist

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,6 @@ from lightning_sync.config import ConfigError, check_config, global_rank
 from lightning_sync.launcher import ENTRY_MODULE_ENV, finish_job
 
 log = logging.getLogger("lightning_sync.train")
-# conf/hydra/launcher/*.yaml spell out every field of the plugins' schemas of the same name on purpose.
-warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
 
 
 def train(cfg: DictConfig) -> float:

@@ -70,7 +70,7 @@ def rank_command(local_rank: int) -> tuple[list[str], str, str]:
     if module:
         command = [sys.executable, "-m", module]
     elif getattr(__main__, "__spec__", None) is not None:
-        command = [sys.executable, "-m", __main__.__spec__.name]
+        command = [sys.executable, "-m", __main__.__spec__.name]  # type: ignore[union-attr]
     else:
         command = [sys.executable, os.path.join(hc.runtime.cwd, sys.argv[0])]
     output_dir = str(hc.runtime.output_dir)

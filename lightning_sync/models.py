@@ -62,8 +62,8 @@ class DigitsCNN(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay,
-                              nesterov=True)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=hp.lr,
-                                                    total_steps=max(1, self.trainer.estimated_stepping_batches))
+        opt = torch.optim.SGD(self.parameters(), lr=hp["lr"], momentum=hp["momentum"],
+                              weight_decay=hp["weight_decay"], nesterov=True)
+        steps = max(1, int(self.trainer.estimated_stepping_batches))
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=hp["lr"], total_steps=steps)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -62,7 +62,8 @@ def train(cfg: DictConfig) -> float:
     log.info("rank %d/%d done: lr=%s seed=%s master port %s val/acc=%.4f", trainer.global_rank,
              trainer.world_size, cfg.model.get("lr"), cfg.seed, port, acc)
     if trainer.global_rank == 0:
-        summary = {"seed": cfg.seed if getattr(trainer.strategy, "seed", None) is None else trainer.strategy.seed, "world_size": trainer.world_size,
+        root_seed = getattr(trainer.strategy, "seed", None)  # ddp_sync's broadcast root seed
+        summary = {"seed": cfg.seed if root_seed is None else root_seed, "world_size": trainer.world_size,
                    "val_acc": acc, "val_size": len(data.val_set) if data.val_set is not None else None,
                    "lr": cfg.model.get("lr"), "epochs": trainer.current_epoch, "run_dir": str(run_dir),
                    "wall_s": round(time.perf_counter() - started, 1)}

@@ -160,22 +160,50 @@ BAD = {
     "unknown_option": (["trainer=tpu_pod"], {}, "Could not find 'trainer/tpu_pod'"),
     "gpu_without_gpu": (["trainer=gpu_ddp"], {}, "trainer.accelerator=gpu: this machine has no usable GPU"),
     "num_nodes_local": (["trainer.num_nodes=2"], {}, "trainer.num_nodes=2: cluster=local starts processes on"),
-    "num_nodes_torchrun": (["cluster=torchrun", "trainer.num_nodes=2"],
+}
+# The same checks against a launcher's environment, in-process (the CLI path is the one above).
+BAD_IN_ENV = {
+    "torchrun_num_nodes": (["cluster=torchrun", "trainer.num_nodes=2"],
                            {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},
-                           "num_nodes(2) * nproc_per_node(2) != WORLD_SIZE(2)"),
-    "num_nodes_slurm": (["cluster=slurm", "trainer.num_nodes=2"],
+                           "trainer.num_nodes=2: num_nodes(2) * nproc_per_node(2) != WORLD_SIZE(2)"),
+    "torchrun_devices": (["cluster=torchrun"], {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4"},
+                         "trainer.devices=2: torchrun started 4 processes per node"),
+    "torchrun_missing": (["cluster=torchrun"], {}, "cluster=torchrun: no torchrun environment"),
+    "slurm_num_nodes": (["cluster=slurm", "trainer.num_nodes=2"],
                         {"SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS_PER_NODE": "2"},
-                        "the SLURM allocation has 1 node(s)"),
+                        "trainer.num_nodes=2: the SLURM allocation has 1 node(s)"),
+    "slurm_devices": (["cluster=slurm"], {"SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "1",
+                                          "SLURM_NTASKS_PER_NODE": "4"}, "SLURM starts 4 tasks per node"),
+    "slurm_missing": (["cluster=slurm"], {}, "cluster=slurm: not inside a SLURM allocation"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_IN_ENV)
+def test_cluster_mismatch_is_a_config_error(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    overrides, env, message = BAD_IN_ENV[name]
+    for key in ("LOCAL_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with initialize_config_module("lightning_sync.conf", version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, "run_dir=/tmp/x"])
+    with pytest.raises(ConfigError, match="Fix: ") as err:
+        check_config(cfg)
+    assert message in str(err.value)
+# Commands that must succeed without training (run in the same batch to share the import time).
+GOOD = {
+    "help": (["--help"], "lsync-train: the lightning_sync main job"),
+    "cfg_job": (["--cfg", "job", "trainer=gpu_ddp", "seed=5"], "process_group_backend: nccl"),
 }
 
 
 @pytest.mark.slow
-def test_bad_configs_fail_fast_with_the_fix(tmp_path: Path) -> None:
-    if _cuda():
-        BAD.pop("gpu_without_gpu")
+def test_bad_configs_fail_fast_with_the_fix_and_help_works(tmp_path: Path) -> None:
+    bad = {k: v for k, v in BAD.items() if not (k == "gpu_without_gpu" and _cuda())}
     started = time.monotonic()
     procs = {}
-    for name, (args, env, _) in BAD.items():  # all at once: each is mostly import time
+    commands = {**bad, **{name: (args, {}, text) for name, (args, text) in GOOD.items()}}
+    for name, (args, env, _) in commands.items():  # all at once: each is mostly import time
         (tmp_path / name).mkdir()
         procs[name] = subprocess.Popen(
             ["timeout", "-k", "5", "180", sys.executable, "-m", "lightning_sync.train", *args,
@@ -183,8 +211,11 @@ def test_bad_configs_fail_fast_with_the_fix(tmp_path: Path) -> None:
             stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     for name, proc in procs.items():
         out, _ = proc.communicate(timeout=200)
+        assert commands[name][2] in out, f"{name}:\n{out[-3000:]}"
+        if name in GOOD:
+            assert proc.returncode == 0 and not (tmp_path / name / "run").exists(), f"{name}: {out[-3000:]}"
+            continue
         assert proc.returncode not in (0, 124, 137), f"{name}: exit {proc.returncode}\n{out[-3000:]}"
-        assert BAD[name][2] in out, f"{name}:\n{out[-3000:]}"
         assert "Fix:" in out or name == "unknown_option", out[-2000:]
         assert not list((tmp_path / name).rglob("rank1.log")), f"{name}: a rank was spawned"
     assert time.monotonic() - started < 150

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -25,7 +26,11 @@ def run(*command: str | Path, timeout: int = 180, **kwargs: object) -> subproces
 
 @pytest.mark.slow
 def test_wheel_install_runs_lsync_train_outside_the_repo(tmp_path: Path) -> None:
-    run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", REPO)
+    src = tmp_path / "src"  # a clean copy: building in the checkout would leave build/ behind (and reuse it)
+    shutil.copytree(REPO / "lightning_sync", src / "lightning_sync", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", src)
     (wheel,) = (tmp_path / "dist").glob("lightning_sync-*.whl")
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", venv)

@@ -58,7 +58,7 @@ class DigitsCNN(L.LightningModule):
         self.val_acc(pred, y)
         self.log("val/loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
         self.log("val/acc", self.val_acc, prog_bar=True)
-        return {"index": index, "pred": pred, "target": y}
+        return {"index": index, "preds": pred, "target": y}
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams

@@ -159,10 +159,10 @@ BAD = {
     "devices0": (["trainer.devices=0"], {}, "trainer.devices=0: the number of processes per node must be >= 1"),
     "unknown_option": (["trainer=tpu_pod"], {}, "Could not find 'trainer/tpu_pod'"),
     "gpu_without_gpu": (["trainer=gpu_ddp"], {}, "trainer.accelerator=gpu: this machine has no usable GPU"),
-    "num_nodes_local": (["trainer.num_nodes=2"], {}, "trainer.num_nodes=2: cluster=local starts processes on"),
 }
 # The same checks against a launcher's environment, in-process (the CLI path is the one above).
 BAD_IN_ENV = {
+    "local_num_nodes": (["trainer.num_nodes=2"], {}, "trainer.num_nodes=2: cluster=local starts processes on"),
     "torchrun_num_nodes": (["cluster=torchrun", "trainer.num_nodes=2"],
                            {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},
                            "trainer.num_nodes=2: num_nodes(2) * nproc_per_node(2) != WORLD_SIZE(2)"),
@@ -181,7 +181,7 @@ BAD_IN_ENV = {
 @pytest.mark.parametrize("name", BAD_IN_ENV)
 def test_cluster_mismatch_is_a_config_error(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     overrides, env, message = BAD_IN_ENV[name]
-    for key in ("LOCAL_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS_PER_NODE"):
+    for key in ("NODE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS_PER_NODE"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)

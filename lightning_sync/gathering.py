@@ -123,7 +123,8 @@ def pack_rows(index: Tensor, tensors: Mapping[str, Tensor], rows: int | None = N
     offset = 0
     for width, t in zip(widths, [index.to(torch.int64)] + [t for _, t in sorted(tensors.items())]):
         if width:
-            out[:n, offset:offset + width].copy_(t.detach().contiguous().reshape(n, -1).view(torch.uint8))
+            flat = t.detach().contiguous().reshape(n, width // t.element_size())
+            out[:n, offset:offset + width].copy_(flat.view(torch.uint8))
         offset += width
     return out
 

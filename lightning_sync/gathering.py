@@ -8,20 +8,20 @@ row). :meth:`RowCollector.gather` is one collective step at the end of the epoch
    shapes, a deferred local error) with :func:`~lightning_sync.collectives.gather_objects`; ranks
    that disagree raise :class:`~lightning_sync.RankMismatchError` on every rank, before any large
    transfer could abort gloo or hang;
-2. the index and every tensor key are packed into one byte row per sample and exchanged in ONE
+2. the int64 index, then each tensor key, is exchanged with one
    :func:`~lightning_sync.collectives.all_gather_uneven` (or
-   :func:`~lightning_sync.collectives.gather_uneven` to a single rank); indices travel as raw int64
-   bytes, never through a float;
+   :func:`~lightning_sync.collectives.gather_uneven` to a single rank) as raw bytes of its own
+   dtype: indices never pass through a float; every rank pads to the longest rank while
+   concatenating its batches, so each exchange is one even all-gather;
 3. Python objects travel in one :func:`~lightning_sync.collectives.gather_objects` call;
 4. rows are deduplicated by index (the first occurrence in rank order wins: a padding duplicate is
    the same sample seen by the same weights) and ordered by ascending index.
 
-:func:`dedup_by_index` and :func:`pack_rows` are the pure bookkeeping, usable without processes.
+:func:`dedup_by_index` is the pure bookkeeping, usable without processes.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +37,6 @@ __all__ = ["INDEX_KEY", "RowCollector", "dedup_by_index"]
 
 #: The key under which gathered results hold the dataset indices.
 INDEX_KEY = "index"
-_INDEX_BYTES = 8  # int64
 
 
 def dedup_by_index(index: Tensor) -> tuple[Tensor, Tensor]:
@@ -64,6 +63,8 @@ def dedup_by_index(index: Tensor) -> tuple[Tensor, Tensor]:
         table = torch.full((hi + 1,), m, dtype=torch.int64, device=index.device)
         table.scatter_reduce_(0, index, positions, reduce="amin")
         present = table < m
+        if bool(present.all()):  # the usual case (every index 0..max seen): skip two large copies
+            return torch.arange(hi + 1, dtype=torch.int64, device=index.device), table
         unique = torch.nonzero(present).flatten()
         return unique, table[present]
     unique, inverse = torch.unique(index, sorted=True, return_inverse=True)
@@ -77,10 +78,6 @@ class _TensorSpec:
     dtype: torch.dtype
     trailing: tuple[int, ...]
 
-    @property
-    def row_bytes(self) -> int:
-        return math.prod(self.trailing) * self.dtype.itemsize
-
     def __str__(self) -> str:
         return f"{tuple(self.trailing)} {str(self.dtype).removeprefix('torch.')}"
 
@@ -93,6 +90,7 @@ class _Schema:
     tensors: dict[str, _TensorSpec] | None  # None: this rank saw no batch, it adopts the others' layout
     objects: list[str] | None
     error: str | None = None
+    device_type: str = "cpu"  # where this rank's tensors live; a rank without batches adopts it
 
     def describe(self) -> str:
         if self.tensors is None or self.objects is None:
@@ -102,40 +100,15 @@ class _Schema:
         return "{" + ", ".join(parts) + "}"
 
 
-def pack_rows(index: Tensor, tensors: Mapping[str, Tensor], rows: int | None = None,
-              device: torch.device | None = None) -> Tensor:
-    """Pack the int64 index and every tensor (keys in sorted order) into one uint8 row per sample.
-
-    Args:
-        index: ``(n,)`` int64.
-        tensors: each ``(n, *trailing)``.
-        rows: allocate this many rows (>= n); the extra rows are padding (zeros).
-        device: where to build the buffer; ``index``'s device by default.
-
-    Returns:
-        ``(rows, 8 + sum(row bytes))`` uint8.
-    """
-    n = index.numel()
-    rows = n if rows is None else rows
-    device = index.device if device is None else device
-    widths = [_INDEX_BYTES] + [math.prod(t.shape[1:]) * t.element_size() for _, t in sorted(tensors.items())]
-    out = torch.zeros(rows, sum(widths), dtype=torch.uint8, device=device)
-    offset = 0
-    for width, t in zip(widths, [index.to(torch.int64)] + [t for _, t in sorted(tensors.items())]):
-        if width:
-            flat = t.detach().contiguous().reshape(n, width // t.element_size())
-            out[:n, offset:offset + width].copy_(flat.view(torch.uint8))
-        offset += width
-    return out
-
-
-def _unpack_column(packed: Tensor, select: Tensor, offset: int, spec: _TensorSpec) -> Tensor:
-    """Rows ``select`` of one key's byte column, as a contiguous tensor of its dtype and shape."""
-    if spec.row_bytes == 0:
-        return torch.empty((select.numel(), *spec.trailing), dtype=spec.dtype, device=packed.device)
-    # index_select on the strided column view writes one contiguous block: one copy per key
-    column = torch.index_select(packed[:, offset:offset + spec.row_bytes], 0, select)
-    return column.view(spec.dtype).reshape(select.numel(), *spec.trailing)
+def _padded_cat(chunks: Sequence[Tensor], n: int, most: int, dtype: torch.dtype, trailing: tuple[int, ...],
+                device: torch.device) -> Tensor:
+    """Concatenate ``n`` rows of batches into a buffer of ``most`` rows (zeros after row ``n``)."""
+    buf = torch.empty((most, *trailing), dtype=dtype, device=device)
+    if n:
+        torch.cat([c.to(device=device, dtype=dtype) for c in chunks], out=buf[:n])
+    if most > n:
+        buf[n:].zero_()
+    return buf
 
 
 @dataclass
@@ -211,19 +184,21 @@ class RowCollector:
         self._rows += n
 
     def _schema(self) -> _Schema:
-        return _Schema(self._rows, self._specs, None if self._objects is None else sorted(self._objects), self._error)
+        return _Schema(self._rows, self._specs, None if self._objects is None else sorted(self._objects), self._error,
+                       self._device.type if self._device is not None else "cpu")
 
     def gather(self, dst: int | None = None, group: dist.ProcessGroup | None = None,
                what: str = "ValidationGather") -> dict[str, Any] | None:
         """Exchange every rank's rows; drop duplicates by index; order by index. Empties this collector.
 
-        Every rank of ``group`` must call it with the same ``dst``; it blocks. Costs three
-        collectives: one small description exchange, one packed-row gather, one object gather (only
-        if there are object keys).
+        Every rank of ``group`` must call it with the same ``dst``; it blocks. Collectives: one
+        small description exchange, one gather for the index and one per tensor key, one object
+        gather (only if there are object keys).
 
-        Peak memory on a receiving rank: about twice the gathered bytes (the received buffer plus
-        the ordered result), plus this rank's rows once more while packing; other ranks under
-        ``dst``: twice their own rows.
+        Peak memory on a receiving rank, beyond its own collected rows: the result (gathered bytes,
+        8 per index included) plus the largest key's received buffer, plus that key's local rows
+        once more while they are padded; keys are processed one at a time. Ranks that do not
+        receive (``dst`` set): about their own largest key once more.
 
         Args:
             dst: ``None``: every rank receives the result; a global rank: only that one does.
@@ -258,41 +233,54 @@ class RowCollector:
         object_keys: list[str] = list(known[0].objects or []) if known else []
         counts = [s.rows for s in schemas]
         most = max(counts)
-
-        # one packed byte row per sample: index, then each tensor key in sorted order
-        index = torch.cat(self._index) if self._index else torch.empty(0, dtype=torch.int64)
-        tensors: dict[str, Tensor] = {}
-        for key, spec in specs.items():
-            chunks = (self._tensors or {}).get(key, [])
-            tensors[key] = (torch.cat(chunks) if len(chunks) > 1 else chunks[0]) if chunks else torch.empty(
-                (0, *spec.trailing), dtype=spec.dtype)
-        device = self._device or torch.device("cpu")
+        n = self._rows
+        index_chunks = self._index
+        tensor_chunks = dict(self._tensors or {})
         local_objects = {k: (self._objects or {}).get(k, []) for k in object_keys}
+        fallback = self._device or (torch.device("cuda", torch.cuda.current_device()) if known and
+                                    known[0].device_type == "cuda" else torch.device("cpu"))
         self._reset()
-        # Every rank pads to the longest rank's row count, so the exchange below is one even
-        # all-gather: no padding copy or concatenation inside it; pads are never selected.
-        packed = pack_rows(index.to(device), {k: t.to(device) for k, t in tensors.items()}, rows=most, device=device)
-        del tensors, index
-        if dst is None:
-            received: Tensor | None = collectives.all_gather_uneven(packed, group=group)[0]
-        else:
-            received = collectives.gather_uneven(packed, dst=dst, group=group)[0]
-        del packed
-        gathered_objects = (collectives.gather_objects(local_objects, dst=dst, group=group) if object_keys
-                            else [{}] * len(ranks))
-        if received is None or gathered_objects is None:
-            return None
 
-        # positions of the real rows (not the padding) inside the received buffer, in rank order
-        real = torch.cat([torch.arange(c, dtype=torch.int64) + r * most for r, c in enumerate(counts)]).to(device)
-        all_index = torch.index_select(received[:, :_INDEX_BYTES], 0, real).view(torch.int64).reshape(-1)
-        unique, first = dedup_by_index(all_index)
-        select = real[first]
-        result: dict[str, Any] = {INDEX_KEY: unique}
-        offset = _INDEX_BYTES
-        for key, spec in sorted(specs.items()):
-            result[key] = _unpack_column(received, select, offset, spec)
-            offset += spec.row_bytes
+        def exchange(send: Tensor) -> Tensor | None:
+            if dst is None:
+                return collectives.all_gather_uneven(send, group=group)[0]
+            return collectives.gather_uneven(send, dst=dst, group=group)[0]
+
+        # Every rank pads each tensor to the longest rank's row count while concatenating its
+        # batches (one copy it needs anyway), so each exchange is an even all-gather: no padding
+        # copy or concatenation inside it; the padding rows are never selected below.
+        received = exchange(_padded_cat(index_chunks, n, most, torch.int64, (), torch.device("cpu")))
+        del index_chunks
+        select: Tensor | None = None
+        result: dict[str, Any] = {}
+        if received is not None:
+            if min(counts) == most:
+                all_index = received
+            else:
+                all_index = torch.cat([received[r * most: r * most + c] for r, c in enumerate(counts)])
+            unique, first = dedup_by_index(all_index)
+            del received, all_index
+            if min(counts) == most:
+                select = first
+            else:  # concatenated position -> padded position
+                starts = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0)
+                rank = torch.searchsorted(starts, first, right=True) - 1
+                select = first + rank * most - starts[rank]
+            result[INDEX_KEY] = unique
+        # one key at a time: its batches are freed once packed, its received rows once selected
+        for key in sorted(specs):
+            spec = specs[key]
+            chunks = tensor_chunks.pop(key, [])
+            device = chunks[0].device if chunks else fallback
+            rows = exchange(_padded_cat(chunks, n, most, spec.dtype, spec.trailing, device))
+            del chunks
+            if rows is not None and select is not None:
+                result[key] = torch.index_select(rows, 0, select.to(rows.device))
+            del rows
+        gathered_objects = (collectives.gather_objects(local_objects, dst=dst, group=group) if object_keys
+                            else [{}] * len(counts))
+        if select is None or gathered_objects is None:
+            return None
         if object_keys:
             picks = first.tolist()
             for key in object_keys:

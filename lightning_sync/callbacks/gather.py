@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -82,8 +82,10 @@ def _recording_class(cls: type) -> type:
     if cls in _RECORDING.values():
         return cls
     if cls not in _RECORDING:
+        iter_of_base: Callable[[Any], Iterator[Any]] = getattr(cls, "__iter__")  # noqa: B009
+
         def __iter__(self: Any) -> Iterator[Any]:  # noqa: N807
-            inner = cls.__iter__(self)
+            inner = iter_of_base(self)
             logs = _LOGS.get(id(self), [])
             for log in logs:
                 log.start()

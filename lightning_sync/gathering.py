@@ -64,7 +64,7 @@ def dedup_by_index(index: Tensor) -> tuple[Tensor, Tensor]:
         table.scatter_reduce_(0, index, positions, reduce="amin")
         present = table < m
         if bool(present.all()):  # the usual case (every index 0..max seen): skip two large copies
-            return torch.arange(hi + 1, dtype=torch.int64, device=index.device), table
+            return positions[: hi + 1], table  # positions is arange(m), m > hi: reuse it, no new memory
         unique = torch.nonzero(present).flatten()
         return unique, table[present]
     unique, inverse = torch.unique(index, sorted=True, return_inverse=True)

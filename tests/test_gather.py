@@ -45,6 +45,10 @@ def test_dedup_keeps_first_occurrence_in_index_order() -> None:
     # sparse and huge indices take the sort path; int64 stays exact
     unique, first = dedup_by_index(torch.tensor([BIG, -5, BIG, 7]))
     assert unique.tolist() == [-5, 7, BIG] and first.tolist() == [1, 3, 0]
+    unique, first = dedup_by_index(torch.tensor([2, 0, 1, 0]))  # dense and complete: the fast path
+    assert unique.tolist() == [0, 1, 2] and first.tolist() == [1, 2, 0]
+    rows, counts = C.gather_uneven(torch.ones(3, 2))  # not distributed: unchanged
+    assert rows is not None and rows.shape == (3, 2) and counts == [3]
     unique, first = dedup_by_index(torch.empty(0, dtype=torch.int64))
     assert unique.numel() == 0 and first.numel() == 0
 

@@ -152,28 +152,31 @@ def worker(rank: int, world: int, init: str, out: str, n: int, batch: int, repea
             my.update(y)
         return mx, my
 
+    def vg() -> Any:
+        c = collector()
+        return timed(c.gather, mem=rank == 0)
+
+    methods: dict[str, Callable[[], tuple[float, int, Any]]] = {
+        "ValidationGather": vg,
+        "bare all_gather_uneven": lambda: timed(bare, mem=rank == 0),
+        "  (gather only, no cat)": lambda: timed(bare_gather_only, mem=rank == 0),
+        "accelerate-style": lambda: timed(accelerate_style, mem=rank == 0),
+        "torchmetrics CatMetric": lambda: cat_timed(),
+    }
+
+    def cat_timed() -> tuple[float, int, Any]:
+        mx, my = catmetric()
+        return timed(lambda: (mx.compute(), my.compute()), mem=rank == 0)
+
     times: dict[str, list[float]] = {}
     mem: dict[str, int] = {}
-    for r in range(repeats):
-        c = collector()
-        t, grow, res = timed(c.gather, mem=rank == 0)
-        times.setdefault("ValidationGather", []).append(t)
-        mem.setdefault("ValidationGather", grow)
-        assert res is not None and len(res["index"]) == n and res["index"][-1] == n - 1
-        del res, c
-    for name, fn in (("bare all_gather_uneven", bare), ("  (gather only, no cat)", bare_gather_only),
-                     ("accelerate-style", accelerate_style)):
-        for r in range(repeats):
-            t, grow, res = timed(fn, mem=rank == 0)
+    # round-robin, so a load spike on the shared machine hits every method alike
+    for _ in range(repeats):
+        for name, run in methods.items():
+            t, grow, res = run()
             times.setdefault(name, []).append(t)
             mem.setdefault(name, grow)
             del res
-    for r in range(repeats):
-        mx, my = catmetric()
-        t, grow, res = timed(lambda: (mx.compute(), my.compute()), mem=rank == 0)
-        times.setdefault("torchmetrics CatMetric", []).append(t)
-        mem.setdefault("torchmetrics CatMetric", grow)
-        del res, mx, my
     collect_t = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -196,7 +199,7 @@ def worker(rank: int, world: int, init: str, out: str, n: int, batch: int, repea
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--world", type=int, default=2)
     args = p.parse_args()

@@ -47,6 +47,8 @@ _RUNNING: dict[RunningStage, Stage] = {
 }
 _HOOK = {"validate": "on_validation_gathered", "test": "on_test_gathered", "predict": "on_predict_gathered"}
 _PREFIX = {"validate": "val", "test": "test", "predict": "predict"}
+_ACTIVE = "_lightning_sync_gathers"  # strategy attributes while a ValidationGather is attached
+_PREVIOUS = "_lightning_sync_process_dataloader"
 #: Key for a ``*_step`` that returns a single tensor instead of a dict.
 OUTPUT_KEY = "output"
 
@@ -254,25 +256,41 @@ class ValidationGather(pl.Callback):
         if self._strategy is not None:
             return
         strategy = trainer.strategy
-        original = strategy.process_dataloader
+        gathers: list[ValidationGather] | None = strategy.__dict__.get(_ACTIVE)
+        if gathers is None:
+            gathers = []
+            original = strategy.process_dataloader
 
-        def process_dataloader(dataloader: object) -> object:
-            dataloader = original(dataloader)
-            running = _RUNNING.get(trainer.state.stage) if trainer.state.stage is not None else None
-            if running in self.stages:
-                self._recorder.install(dataloader)
-            return dataloader
+            def process_dataloader(dataloader: object) -> object:
+                dataloader = original(dataloader)
+                running = _RUNNING.get(trainer.state.stage) if trainer.state.stage is not None else None
+                for gather in gathers:
+                    if running in gather.stages:
+                        gather._recorder.install(dataloader)
+                return dataloader
 
-        # Lightning calls strategy.process_dataloader on every dataloader right after injecting its
-        # DistributedSampler and before the first iter(): the one point where the final batch
-        # sampler exists and has not yielded anything yet. An instance attribute, removed at teardown.
-        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+            # Lightning calls strategy.process_dataloader on every dataloader right after injecting
+            # its DistributedSampler and before the first iter(): the one point where the final
+            # batch sampler exists and has not yielded anything yet. One instance attribute per
+            # strategy, shared by every ValidationGather, removed when the last one tears down.
+            strategy.__dict__[_ACTIVE] = gathers
+            strategy.__dict__[_PREVIOUS] = strategy.__dict__.get("process_dataloader")
+            strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+        gathers.append(self)
         self._strategy = strategy
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._strategy is not None:
-            self._strategy.__dict__.pop("process_dataloader", None)
-            self._strategy = None
+        strategy, self._strategy = self._strategy, None
+        if strategy is not None:
+            gathers = strategy.__dict__.get(_ACTIVE, [])
+            gathers[:] = [g for g in gathers if g is not self]
+            if not gathers:
+                strategy.__dict__.pop(_ACTIVE, None)
+                previous = strategy.__dict__.pop(_PREVIOUS, None)
+                if previous is None:
+                    strategy.__dict__.pop("process_dataloader", None)
+                else:
+                    strategy.__dict__["process_dataloader"] = previous
         self._recorder.uninstall()
         self._collectors.clear()
 

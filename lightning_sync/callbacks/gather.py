@@ -189,11 +189,12 @@ class ValidationGather(pl.Callback):
     that averages per-rank means over the padded set.
 
     Memory: each rank holds its own rows during the epoch (on CPU with ``offload_to_cpu=True``).
-    At epoch end a receiving rank peaks at about twice the gathered bytes (the received buffer plus
-    the index-ordered result; gathered bytes = samples x (8 + bytes per row)), plus its own rows
-    once more while packing them; a rank that does not receive (``rank_zero_only=True``) peaks at
-    about twice its own rows. Measured on 1e6 rows of 16 float32 + an int64 label, 2 ranks: see
-    ``docs/gather.md``.
+    At epoch end keys are gathered one at a time; a receiving rank peaks, beyond its own rows, at
+    the result (gathered bytes = samples x (8 + bytes per row)) plus the largest key's received
+    buffer plus that key's own rows once more: about 2x the gathered bytes for one dominant key
+    (measured 2.2-2.35x RSS growth at 1e6 rows of 16 float32 + int64 label on 2 ranks, see
+    ``docs/gather.md``). With ``rank_zero_only=True`` the other ranks peak at about twice their
+    own rows.
 
     Args:
         keys: the output keys to gather (``None``: all per-sample keys). Listed keys must be present.

@@ -1,4 +1,8 @@
-"""``DigitsCNN``: the main job's model, a small CNN with BatchNorm for 1x8x8 images."""
+"""``DigitsCNN``: the main job's model, a small CNN with BatchNorm for 1x8x8 images.
+
+Validation metrics are not computed here: ``validation_step`` returns per-sample rows and
+``ls.ValidationGather`` (conf/callbacks) computes them once on the exact validation set.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,14 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from torchmetrics.classification import MulticlassAccuracy
 
-__all__ = ["DigitsCNN"]
+__all__ = ["DigitsCNN", "gathered_mean"]
+
+
+def gathered_mean(outputs: dict[str, Any], key: str = "loss") -> torch.Tensor:
+    """The mean of one per-sample key of ``ValidationGather``'s outputs (a ``metrics`` entry)."""
+    rows: torch.Tensor = outputs[key]
+    return rows.float().mean()
 
 
 class DigitsCNN(L.LightningModule):
@@ -39,7 +48,6 @@ class DigitsCNN(L.LightningModule):
         self.net = nn.Sequential(*block(1, c), *block(c, 2 * c), nn.MaxPool2d(2), *block(2 * c, 2 * c),
                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout),
                                  nn.Linear(2 * c, num_classes))
-        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)  # type: ignore[no-any-return]
@@ -54,11 +62,8 @@ class DigitsCNN(L.LightningModule):
                         batch_idx: int) -> dict[str, torch.Tensor]:
         index, x, y = batch
         logits = self(x)
-        pred = logits.argmax(-1)
-        self.val_acc(pred, y)
-        self.log("val/loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
-        self.log("val/acc", self.val_acc, prog_bar=True)
-        return {"index": index, "preds": pred, "target": y}
+        loss = nn.functional.cross_entropy(logits, y, reduction="none")
+        return {"index": index, "preds": logits.argmax(-1), "target": y, "loss": loss}
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams

@@ -25,6 +25,7 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+import lightning_sync as ls
 from lightning_sync.config import ConfigError, check_config, global_rank
 from lightning_sync.launcher import ENTRY_MODULE_ENV, finish_job
 
@@ -58,13 +59,15 @@ def train(cfg: DictConfig) -> float:
         failed = False
     finally:
         finish_job(failed=failed)  # rank 0: reap this job's ranks, restore the environment
-    acc = float(trainer.callback_metrics.get("val/acc", float("nan")))
+    acc = float(trainer.callback_metrics.get("val/acc", float("nan")))  # exact: ValidationGather's
+    gather = next((c for c in callbacks if isinstance(c, ls.ValidationGather)), None)
+    val_size = int(gather.gathered[0]["index"].numel()) if gather is not None and gather.gathered else None
     log.info("rank %d/%d done: lr=%s seed=%s master port %s val/acc=%.4f", trainer.global_rank,
              trainer.world_size, cfg.model.get("lr"), cfg.seed, port, acc)
     if trainer.global_rank == 0:
         root_seed = getattr(trainer.strategy, "seed", None)  # ddp_sync's broadcast root seed
         summary = {"seed": cfg.seed if root_seed is None else root_seed, "world_size": trainer.world_size,
-                   "val_acc": acc, "val_size": len(data.val_set) if data.val_set is not None else None,
+                   "val_acc": acc, "val_size": val_size,
                    "lr": cfg.model.get("lr"), "epochs": trainer.current_epoch, "run_dir": str(run_dir),
                    "wall_s": round(time.perf_counter() - started, 1)}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -20,7 +20,7 @@ from lightning_sync.config import ConfigError, check_config
 CONF = Path(ls.__file__).parent / "conf"
 GROUPS = ("trainer", "cluster", "model", "data", "callbacks", "logger", "experiment", "debug", "hydra/launcher")
 # 1 epoch of 2 batches: what every subprocess run uses
-TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "callbacks=none",
+TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "callbacks=minimal",
         "trainer.enable_checkpointing=false"]
 
 
@@ -105,6 +105,7 @@ def test_main_job_two_ranks(tmp_path: Path) -> None:
     out = ok(lsync_train(*TINY, "seed=11", f"hydra.run.dir={run}", cwd=tmp_path))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["seed"] == 11 and summary["world_size"] == 2 and summary["run_dir"] == str(run)
+    assert summary["val_size"] == 2 * 64 and 0.0 <= summary["val_acc"] <= 1.0  # 1 batch of 64 per rank, gathered
     assert f"lsync-train: root seed 11 | world size 2 | val acc {summary['val_acc']:.4f}" in out
     assert sorted(p.name for p in run.glob("rank*.log")) == ["rank0.log", "rank1.log"]
     assert "rank 1/2 done" in (run / "rank1.log").read_text()

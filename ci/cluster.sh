@@ -6,6 +6,8 @@
 #   bash ci/cluster.sh up                   # n0 = 10.200.0.1 (veth-ls0), n1 = 10.200.0.2 (veth-ls1)
 #   bash ci/cluster.sh run n0 srun -N2 --ntasks-per-node=2 python -m lightning_sync.doctor --devices 2 --num-nodes 2
 #   bash ci/cluster.sh run n1 hostname      # any command, inside node n1's namespaces
+#   bash ci/cluster.sh run --net-only n1 CMD  # n1's network only: the machine's hostname and /etc/hosts
+#                                           # (the classic misconfiguration: hostname -> 127.0.0.1)
 #   bash ci/cluster.sh status
 #   bash ci/cluster.sh down                 # always safe; also cleans up after a crashed run
 #
@@ -188,8 +190,14 @@ main() {
     down) cmd_down ;;
     status) cmd_status ;;
     run)
-      [ "$#" -ge 2 ] || die "usage: cluster.sh run n0|n1 CMD [ARGS...]"
+      local net_only=0
+      [ "${1:-}" = --net-only ] && { net_only=1; shift; }
+      [ "$#" -ge 2 ] || die "usage: cluster.sh run [--net-only] n0|n1 CMD [ARGS...]"
       local r; r=$(node_index "$1"); shift
+      if [ "$net_only" = 1 ]; then
+        [ -e "/run/netns/${NS[$r]}" ] || die "node n$r is not up (no namespace ${NS[$r]}); run: bash ci/cluster.sh up"
+        exec nsenter --net="/run/netns/${NS[$r]}" "$@"
+      fi
       on_node "$r" "$@" ;;
     *) die "unknown subcommand '$sub': use install, up, run, status or down." ;;
   esac

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from importlib import metadata
@@ -45,10 +46,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
 __all__ = ["Launch", "Problem", "detect_launch", "diagnose", "main"]
 
 _STORE_PREFIX = "lsync_doctor"
+_package_version: Callable[[str], str] = metadata.version
 _SLURM_INTERACTIVE_NAMES = ("bash", "interactive")
 
 
@@ -262,7 +265,7 @@ def _versions() -> dict[str, str]:
     def dist_version(*names: str) -> str:
         for name in names:
             try:
-                return metadata.version(name)
+                return _package_version(name)
             except metadata.PackageNotFoundError:
                 continue
         return "-"
@@ -270,7 +273,7 @@ def _versions() -> dict[str, str]:
     nccl = "-"
     if torch.cuda.is_available():
         try:
-            nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+            nccl = ".".join(str(part) for part in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
         except Exception:  # noqa: BLE001 - a build without NCCL
             nccl = "none"
     return {"python": platform.python_version(), "torch": torch.__version__,
@@ -476,7 +479,7 @@ def diagnose(reports: dict[int, Report], world_size: int, num_nodes: int | None)
 # rendezvous, group test, output
 
 
-def _connect_store(launch: Launch, timeout: float) -> tuple[dist.Store | None, str, Problem | None]:
+def _connect_store(launch: Launch, timeout: float) -> tuple[Store | None, str, Problem | None]:
     """Rank 0 serves the store (unless torchrun's agent does); the others probe, then connect."""
     port = launch.master_port
     if port is None:
@@ -485,7 +488,7 @@ def _connect_store(launch: Launch, timeout: float) -> tuple[dist.Store | None, s
     serve = launch.rank == 0 and not launch.agent_store
     if serve:
         try:
-            store = dist.TCPStore(launch.master_addr, port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+            store = TCPStore(launch.master_addr, port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
         except (RuntimeError, OSError) as err:
             busy = "address already in use" in str(err).lower() or getattr(err, "errno", None) == errno.EADDRINUSE
             text = (f"MASTER_PORT={port} is already in use on {socket.gethostname()} (rank 0): another job or a stale "
@@ -512,7 +515,7 @@ def _connect_store(launch: Launch, timeout: float) -> tuple[dist.Store | None, s
         time.sleep(0.2)
     reach = f"ok {time.monotonic() - start:.2f}s"
     try:
-        store = dist.TCPStore(launch.master_addr, port, None, False, timedelta(seconds=timeout))
+        store = TCPStore(launch.master_addr, port, None, False, timedelta(seconds=timeout))
     except (RuntimeError, OSError) as err:
         return None, reach, Problem(f"rank {launch.rank} reached {launch.master_addr}:{port} but the store "
                                     f"handshake failed: {err}", "make sure nothing else listens on MASTER_PORT.",
@@ -520,7 +523,7 @@ def _connect_store(launch: Launch, timeout: float) -> tuple[dist.Store | None, s
     return store, reach, None
 
 
-def _wait_keys(store: dist.Store, keys: list[str], timeout: float) -> dict[str, bytes]:
+def _wait_keys(store: Store, keys: list[str], timeout: float) -> dict[str, bytes]:
     """Fetch the keys that appear within ``timeout`` seconds (missing ones are left out)."""
     deadline = time.monotonic() + timeout
     found: dict[str, bytes] = {}
@@ -539,7 +542,7 @@ def _wait_keys(store: dist.Store, keys: list[str], timeout: float) -> dict[str, 
     return found
 
 
-def _group_test(launch: Launch, store: dist.Store, backend: str, timeout: float) -> str:
+def _group_test(launch: Launch, store: Store, backend: str, timeout: float) -> str:
     from lightning_sync import collectives  # rank-safe collectives; imports torch only
 
     start = time.monotonic()
@@ -550,7 +553,7 @@ def _group_test(launch: Launch, store: dist.Store, backend: str, timeout: float)
     try:
         if backend == "nccl":
             torch.cuda.set_device(launch.local_rank)
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=launch.rank,
+        dist.init_process_group(backend, store=PrefixStore("pg", store), rank=launch.rank,
                                 world_size=launch.world_size, timeout=timedelta(seconds=timeout))
         joined = time.monotonic() - start
         value = torch.tensor([launch.rank + 1.0])
@@ -620,6 +623,11 @@ def _render_problems(problems: list[Problem]) -> str:
 
 def run_rank(args: argparse.Namespace) -> int:
     """The doctor on one rank: checks, report exchange, group test, verdict. Returns the exit code."""
+    return _run_rank(args)[0]
+
+
+def _run_rank(args: argparse.Namespace) -> tuple[int, bool]:
+    """:func:`run_rank`, plus whether this rank got as far as the store."""
     launch = detect_launch(dict(os.environ), args.devices, args.num_nodes)
     accelerator = args.accelerator if args.accelerator != "auto" else ("gpu" if torch.cuda.is_available() else "cpu")
     backend = args.backend if args.backend != "auto" else ("nccl" if accelerator == "gpu" else "gloo")
@@ -635,15 +643,15 @@ def run_rank(args: argparse.Namespace) -> int:
         return 1
 
     if any(p["blocking"] for p in report.problems if "MASTER_ADDR" in p["text"] and "without a launcher" in p["text"]):
-        return own_findings("cannot start: the rendezvous is not configured.")
+        return own_findings("cannot start: the rendezvous is not configured."), False
     store, report.reach, store_problem = _connect_store(launch, args.timeout)
     if store is None:
         assert store_problem is not None
         report.problems.append(asdict(store_problem))
-        return own_findings("could not reach rank 0's store, so no report from the other ranks.")
+        return own_findings("could not reach rank 0's store, so no report from the other ranks."), False
     run = os.environ.get("TORCHELASTIC_RUN_ID", os.environ.get("SLURM_JOB_ID", "local"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_STEP_ID", "0"))
-    store = dist.PrefixStore(f"{_STORE_PREFIX}/{run}/{attempt}", store)
+    store = PrefixStore(f"{_STORE_PREFIX}/{run}/{attempt}", store)
     world = launch.world_size
 
     store.set(f"report/{launch.rank}", json.dumps(asdict(report)))
@@ -662,12 +670,12 @@ def run_rank(args: argparse.Namespace) -> int:
     if launch.rank != 0:
         verdict = _wait_keys(store, ["verdict"], args.timeout + 10)
         if "verdict" not in verdict:
-            return own_findings("rank 0 never sent its verdict (it died or could not join).")
+            return own_findings("rank 0 never sent its verdict (it died or could not join)."), True
         failed = verdict["verdict"] != b"ok"
         if failed:
             print(f"{tag}: FAILED, see rank 0's report (group: {report.group})", file=sys.stderr, flush=True)
         store.add("done", 1)
-        return 1 if failed else 0
+        return (1 if failed else 0), True
 
     groups = _wait_keys(store, [f"group/{r}" for r in reports], args.timeout + 5)
     for r, rep in reports.items():
@@ -695,10 +703,10 @@ def run_rank(args: argparse.Namespace) -> int:
               f"devices={launch.local_world_size}, num_nodes={nodes} under the same launcher.", flush=True)
     store.set("verdict", "fail" if problems else "ok")
     _wait_keys_count(store, "done", world - 1, 10.0)  # keep serving the store until every rank has read it
-    return 1 if problems else 0
+    return (1 if problems else 0), True
 
 
-def _wait_keys_count(store: dist.Store, key: str, count: int, timeout: float) -> None:
+def _wait_keys_count(store: Store, key: str, count: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while count > 0 and store.add(key, 0) < count and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -729,17 +737,21 @@ def spawn_local(args: argparse.Namespace, argv: list[str]) -> int:
     for local_rank in range(1, launch.local_world_size):
         env = dict(os.environ, LOCAL_RANK=str(local_rank))
         children.append(subprocess.Popen([sys.executable, "-m", "lightning_sync.doctor", *argv], env=env))
+    reached = False
     try:
-        code = run_rank(args)
+        code, reached = _run_rank(args)
     finally:
-        deadline = time.monotonic() + args.timeout + 20
+        # without rank 0's store the other local ranks can only time out: stop them now
+        deadline = time.monotonic() + (args.timeout + 20 if reached else 1.0)
         for child in children:
             try:
                 child.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-                print(f"lsync-doctor: local rank {children.index(child) + 1} did not finish; killed.", file=sys.stderr)
+                if reached:
+                    print(f"lsync-doctor: local rank {children.index(child) + 1} did not finish; killed.",
+                          file=sys.stderr)
     codes = [code] + [child.returncode for child in children]
     return 0 if all(c == 0 for c in codes) else 1
 

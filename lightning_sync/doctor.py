@@ -457,7 +457,12 @@ def diagnose(reports: dict[int, Report], world_size: int, num_nodes: int | None)
         if loop:
             per_node = {rep.node_rank: rep.route_iface for rep in reports.values() if rep.route_iface}
             names = set(per_node.values())
-            if len(names) == 1:
+            known_nodes = len({rep.node_rank for rep in reports.values()})
+            if len(names) == 1 and known_nodes < nodes:
+                node, name = next(iter(per_node.items()))
+                fix = (f"set GLOO_SOCKET_IFNAME={name} on node {node} (on each node: its interface that reaches "
+                       "MASTER_ADDR)")
+            elif len(names) == 1:
                 fix = f"export GLOO_SOCKET_IFNAME={names.pop()} on every node"
             elif names:
                 fix = ("set GLOO_SOCKET_IFNAME per node to the interface that reaches MASTER_ADDR: "
@@ -637,12 +642,14 @@ def _run_rank(args: argparse.Namespace) -> tuple[int, bool]:
     known: list[Problem] = []
 
     def own_findings(cause: str) -> int:
+        if not known:  # what this rank's report alone shows (e.g. gloo on loopback in a multi-node job)
+            known.extend(p for p in diagnose({report.rank: report}, 1, args.num_nodes) if "never reported" not in p.text)
         probs = [Problem(**p) for p in report.problems] + [p for p in known if asdict(p) not in report.problems]
         print(f"{tag}: {cause}\n{_render_problems(probs) if probs else '(no problem found on this rank)'}",
               file=sys.stderr, flush=True)
         return 1
 
-    if any(p["blocking"] for p in report.problems if "MASTER_ADDR" in p["text"] and "without a launcher" in p["text"]):
+    if any(p.blocking for p in launch.problems):
         return own_findings("cannot start: the rendezvous is not configured."), False
     store, report.reach, store_problem = _connect_store(launch, args.timeout)
     if store is None:

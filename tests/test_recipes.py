@@ -40,8 +40,9 @@ def test_torchrun_multinode(cluster: Cluster, rdzv: str) -> None:
              for rank, node in enumerate(("n0", "n1"))]
     results = cluster.wait(procs, timeout=135)
     assert all(r.returncode == 0 for r in results), results[0].stdout + results[1].stdout
-    assert any("launcher torchrun, 4 rank(s) on 2 node(s)" in r.stdout and "OK: 4 rank(s)" in r.stdout
-               for r in results)
+    [head] = [r.stdout for r in results if "launcher torchrun, 4 rank(s) on 2 node(s)" in r.stdout]  # rank 0's node
+    assert "OK: 4 rank(s) joined a gloo group" in head
+    assert "veth-ls0 10.200.0.1" in head and "veth-ls1 10.200.0.2" in head  # each node's own interface
 
 
 def test_slurm_sbatch(cluster: Cluster) -> None:

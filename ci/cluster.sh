@@ -39,6 +39,7 @@ node_index() {  # n0|0 -> 0, n1|1 -> 1
 on_node() {
   local r=$1; shift
   [ -e "/run/netns/${NS[$r]}" ] || die "node n$r is not up (no namespace ${NS[$r]}); run: bash ci/cluster.sh up"
+  # shellcheck disable=SC2016  # expanded by the inner bash, from its arguments
   nsenter --net="/run/netns/${NS[$r]}" unshare -u -m --propagation private /bin/bash -c \
     'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"' on_node "n$r" "$DIR/hosts" "$@"
 }
@@ -115,8 +116,7 @@ cmd_up() {
   on_node 0 slurmctld
   on_node 0 slurmd
   on_node 1 slurmd
-  local i
-  for i in $(seq 1 120); do
+  for _ in $(seq 1 120); do
     [ "$(idle_nodes)" = 2 ] && { echo "cluster.sh: up: n0 ${ADDR[0]}, n1 ${ADDR[1]} idle (SLURM_CONF=$SLURM_CONF)"; return 0; }
     sleep 0.25
   done
@@ -131,8 +131,8 @@ cmd_up() {
 stop_pids() {
   [ "$#" -gt 0 ] || return 0
   kill -TERM "$@" 2>/dev/null || true
-  local i p alive
-  for i in $(seq 1 20); do
+  local p alive
+  for _ in $(seq 1 20); do
     alive=0
     for p in "$@"; do kill -0 "$p" 2>/dev/null && alive=1; done
     [ "$alive" = 0 ] && return 0

@@ -337,7 +337,7 @@ def check_rank(launch: Launch, devices: int | None, num_nodes: int | None, backe
             problems.append(Problem(
                 f"world size mismatch: the {launch.launcher} launch has WORLD_SIZE={launch.world_size} "
                 f"({launch.num_nodes} node(s) x {launch.local_world_size} process(es)) but devices({devices}) x "
-                f"num_nodes({want_nodes}) = {expected}.", _world_fix(launch.launcher, devices, want_nodes), blocking=False))
+                f"num_nodes({want_nodes}) = {expected}.", _world_fix(launch.launcher, devices, want_nodes)))
     elif num_nodes is not None and num_nodes != launch.num_nodes:
         problems.append(Problem(
             f"the launch spans {launch.num_nodes} node(s) but --num-nodes {num_nodes}.",
@@ -363,6 +363,7 @@ def check_rank(launch: Launch, devices: int | None, num_nodes: int | None, backe
         report.route_iface = ""
 
     # the interface gloo / NCCL will use
+    here = f" (here: {report.route_iface})" if report.route_iface else ""
     gloo_ifname = env.get("GLOO_SOCKET_IFNAME", "")
     if gloo_ifname:
         names = [n.strip() for n in gloo_ifname.split(",") if n.strip()]
@@ -375,13 +376,12 @@ def check_rank(launch: Launch, devices: int | None, num_nodes: int | None, backe
             problems.append(Problem(
                 f"{who}: GLOO_SOCKET_IFNAME={gloo_ifname} but this host has no interface {', '.join(missing)} "
                 f"(it has: {have}). Interface names often differ across nodes.",
-                f"set GLOO_SOCKET_IFNAME per node to the interface that reaches MASTER_ADDR"
-                f"{' (here: ' + report.route_iface + ')' if report.route_iface else ''}, or unset it and map each "
-                "hostname to its routable address in /etc/hosts.", blocking=backend == "gloo"))
+                f"set GLOO_SOCKET_IFNAME per node to the interface that reaches MASTER_ADDR{here}, or unset it and "
+                "map each hostname to its routable address in /etc/hosts.", blocking=backend == "gloo"))
         elif multi_node and any(_is_loopback(addresses[n]) for n in names):
             problems.append(Problem(
                 f"{who}: GLOO_SOCKET_IFNAME={gloo_ifname} is a loopback interface in a multi-node job.",
-                f"use the interface that reaches MASTER_ADDR{' (here: ' + report.route_iface + ')' if report.route_iface else ''}.",
+                f"use the interface that reaches MASTER_ADDR{here}.",
                 blocking=backend == "gloo"))
     else:
         report.gloo_addr, report.gloo_how = gloo_default_address(hostname)
@@ -395,8 +395,7 @@ def check_rank(launch: Launch, devices: int | None, num_nodes: int | None, backe
             if not ok:
                 problems.append(Problem(
                     f"{who}: NCCL_SOCKET_IFNAME={nccl_ifname} matches no interface here ({', '.join(addresses)}).",
-                    f"set it to a prefix of the interface that reaches MASTER_ADDR"
-                    f"{' (here: ' + report.route_iface + ')' if report.route_iface else ''}.", blocking=True))
+                    f"set it to a prefix of the interface that reaches MASTER_ADDR{here}.", blocking=True))
 
     # GPUs
     if accelerator == "gpu":
@@ -404,7 +403,8 @@ def check_rank(launch: Launch, devices: int | None, num_nodes: int | None, backe
             problems.append(Problem(
                 f"{who}: accelerator gpu but no CUDA device is visible (CUDA_VISIBLE_DEVICES={report.cuda_visible}, "
                 f"torch {torch.__version__}, CUDA build {torch.version.cuda}).",
-                "check the allocation (--gres=gpu:N / --gpus-per-node=N) and that torch is a CUDA build.", blocking=True))
+                "check the allocation (--gres=gpu:N / --gpus-per-node=N) and that torch is a CUDA build.",
+                blocking=True))
         elif launch.local_rank >= report.cuda_count:
             problems.append(Problem(
                 f"{who}: local rank {launch.local_rank} but only {report.cuda_count} GPU(s) visible "
@@ -472,11 +472,12 @@ def diagnose(reports: dict[int, Report], world_size: int, num_nodes: int | None)
             by_cause: dict[str, list[str]] = {}
             for r, rep in loop.items():
                 by_cause.setdefault(rep.gloo_how, []).append(f"{r} (node {rep.node_rank})")
-            ranks = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)}: {how}" for how, rs in by_cause.items())
+            ranks = "; ".join(f"{_plural_ranks(rs)}: {how}" for how, rs in by_cause.items())
             problems.append(Problem(
                 f"gloo would bind loopback in a {nodes}-node job, so peers on other nodes cannot connect "
                 f"(gloo fails with \"connectFullMesh ... Connection refused\" or hangs): {ranks}.",
-                f"{fix} (or give each node a hosts entry mapping its hostname to its routable address).", blocking=True))
+                f"{fix} (or give each node a hosts entry mapping its hostname to its routable address).",
+                blocking=True))
     return problems
 
 
@@ -598,7 +599,8 @@ def _table(reports: dict[int, Report], world_size: int) -> str:
             rows.append((str(r), "?", "?", "?", "?", "?", "?", "no report", "-"))
             continue
         v = rep.versions
-        vers = f"py{v['python']} torch{v['torch']} L{v['lightning']}" + (f" nccl{v['nccl']}" if v["nccl"] != "-" else "")
+        vers = f"py{v['python']} torch{v['torch']} L{v['lightning']}"
+        vers += f" nccl{v['nccl']}" if v["nccl"] != "-" else ""
         rows.append((str(r), str(rep.node_rank), rep.hostname, str(rep.local_rank),
                      f"{rep.master.split(':')[0]} -> {','.join(rep.master_ips) or '?'}",
                      f"{rep.gloo_iface or '?'} {rep.gloo_addr}", vers, rep.reach, rep.group))
@@ -617,9 +619,13 @@ def _merge(found: list[tuple[int, Problem]]) -> list[Problem]:
     merged = []
     for key, problem in first.items():
         on = ranks[key]
-        prefix = "" if problem.text.startswith("rank ") else f"[rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))}] "
+        prefix = "" if problem.text.startswith("rank ") else f"[{_plural_ranks([str(r) for r in on])}] "
         merged.append(Problem(prefix + problem.text, problem.fix, problem.blocking))
     return merged
+
+
+def _plural_ranks(ranks: list[str]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}"
 
 
 def _render_problems(problems: list[Problem]) -> str:
@@ -643,7 +649,8 @@ def _run_rank(args: argparse.Namespace) -> tuple[int, bool]:
 
     def own_findings(cause: str) -> int:
         if not known:  # what this rank's report alone shows (e.g. gloo on loopback in a multi-node job)
-            known.extend(p for p in diagnose({report.rank: report}, 1, args.num_nodes) if "never reported" not in p.text)
+            alone = diagnose({report.rank: report}, 1, args.num_nodes)
+            known.extend(p for p in alone if "never reported" not in p.text)
         probs = [Problem(**p) for p in report.problems] + [p for p in known if asdict(p) not in report.problems]
         print(f"{tag}: {cause}\n{_render_problems(probs) if probs else '(no problem found on this rank)'}",
               file=sys.stderr, flush=True)

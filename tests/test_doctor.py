@@ -49,7 +49,8 @@ def test_torchrun_environment() -> None:
            "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "29500",
            "TORCHELASTIC_USE_AGENT_STORE": "True", "SLURM_NTASKS": "1"}  # torchrun inside SLURM: torchrun wins
     launch = detect_launch(env, devices=2, num_nodes=2)
-    assert (launch.launcher, launch.rank, launch.world_size, launch.node_rank, launch.num_nodes) == ("torchrun", 3, 4, 1, 2)
+    layout = (launch.launcher, launch.rank, launch.world_size, launch.node_rank, launch.num_nodes)
+    assert layout == ("torchrun", 3, 4, 1, 2)
     assert launch.agent_store and launch.master_port == 29500 and not launch.problems
 
 
@@ -84,8 +85,8 @@ def test_multi_node_without_launcher_needs_master() -> None:
     assert launch.problems[0].blocking and "MASTER_ADDR=(unset)" in launch.problems[0].text
 
 
-@pytest.mark.parametrize(("nodes", "root"), [("n[0-1]", "n0"), ("gpu[12,15]", "gpu12"), ("a,b", "a"), ("host7", "host7"),
-                                             ("node[3]", "node3")])
+@pytest.mark.parametrize(("nodes", "root"), [("n[0-1]", "n0"), ("gpu[12,15]", "gpu12"), ("a,b", "a"),
+                                             ("host7", "host7"), ("node[3]", "node3")])
 def test_slurm_root_node(nodes: str, root: str) -> None:
     assert slurm_root_node(nodes) == root
 
@@ -147,7 +148,8 @@ def _free_port() -> int:
 
 def _run(argv: list[str], timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
-    full_env.pop("MASTER_PORT", None) if "MASTER_PORT" not in env else None
+    if "MASTER_PORT" not in env:
+        full_env.pop("MASTER_PORT", None)
     try:
         return subprocess.run(["timeout", "-k", "5", str(int(timeout)), *argv], cwd=ROOT, env=full_env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout + 15)

@@ -1,0 +1,5 @@
+"""Callbacks that bring lightning_sync's guarantees to any strategy, Lightning's own "ddp" included."""
+
+from lightning_sync.callbacks.seed import SeedBroadcast
+
+__all__ = ["SeedBroadcast"]

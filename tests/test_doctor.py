@@ -161,25 +161,18 @@ DOCTOR = [sys.executable, "-m", "lightning_sync.doctor", "--timeout", "30"]
 
 
 @pytest.mark.slow
-def test_plain_two_processes() -> None:
-    out = _run([*DOCTOR, "--devices", "2"])
+def test_plain_two_processes_via_console_script() -> None:
+    out = _run([str(VENV_BIN / "lsync-doctor"), "--devices", "2", "--timeout", "30"])
     assert out.returncode == 0, out.stdout
     assert "launcher lightning, 2 rank(s) on 1 node(s), backend gloo" in out.stdout
     assert "OK: 2 rank(s) joined a gloo group" in out.stdout
 
 
 @pytest.mark.slow
-def test_console_script() -> None:
-    out = _run([str(VENV_BIN / "lsync-doctor"), "--devices", "1", "--timeout", "30"])
-    assert out.returncode == 0 and "OK: 1 rank(s)" in out.stdout, out.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("rdzv", ["standalone", "static"])
-def test_torchrun_loopback(rdzv: str) -> None:
-    args = ["--standalone"] if rdzv == "standalone" else ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
-    out = _run([str(VENV_BIN / "torchrun"), *args, "--nproc_per_node=2", "-m", "lightning_sync.doctor",
-                "--devices", "2", "--timeout", "30"])
+def test_torchrun_loopback() -> None:
+    # --standalone is covered by test_recipes.py::test_torchrun_single_node
+    out = _run([str(VENV_BIN / "torchrun"), "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+                "--nproc_per_node=2", "-m", "lightning_sync.doctor", "--devices", "2", "--timeout", "30"])
     assert out.returncode == 0, out.stdout
     assert "launcher torchrun, 2 rank(s) on 1 node(s)" in out.stdout and "OK: 2 rank(s)" in out.stdout
 
@@ -204,10 +197,15 @@ def test_master_port_in_use() -> None:
     assert f"MASTER_PORT={port} is already in use" in out.stdout, out.stdout
 
 
-def test_doctor_does_not_import_lightning() -> None:
-    # lightning_sync/__init__ may import Lightning (strategy registration); doctor itself must add nothing
-    code = ("import sys, lightning_sync; before = set(sys.modules); import lightning_sync.doctor; "
-            "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('lightning', 'pytorch_lightning',"
-            " 'torchmetrics', 'hydra')))")
-    out = _run([sys.executable, "-c", code], timeout=60)
-    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+def test_doctor_imports_only_torch_and_stdlib() -> None:
+    # It must start fast and run where Lightning is broken; lightning_sync/__init__ is not its business.
+    import ast
+
+    tree = ast.parse(Path(doctor.__file__).read_text())
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert imported - set(sys.stdlib_module_names) <= {"torch", "lightning_sync"}, imported

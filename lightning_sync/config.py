@@ -90,8 +90,18 @@ def check_config(cfg: DictConfig) -> None:
     _check_cluster(cfg, devices, num_nodes)
 
 
+def _detected_cluster() -> str:
+    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
+    from lightning.fabric.plugins.environments.torchelastic import TorchElasticEnvironment
+
+    if TorchElasticEnvironment.detect():
+        return "TorchElasticEnvironment"
+    return "SLURMEnvironment" if SLURMEnvironment.detect() else "LightningEnvironment"
+
+
 def _check_cluster(cfg: DictConfig, devices: Any, num_nodes: int) -> None:
-    target = str(OmegaConf.select(cfg, "cluster._target_", default="") or "")
+    # cluster=auto (null): check against what Lightning will detect
+    target = str(OmegaConf.select(cfg, "cluster._target_", default=None) or _detected_cluster())
     env = os.environ
     if target.endswith("TorchElasticEnvironment"):
         if "LOCAL_WORLD_SIZE" not in env:

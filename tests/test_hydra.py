@@ -65,7 +65,9 @@ def test_every_option_composes_and_instantiates(group: str, tmp_path: Path) -> N
                 launcher = cfg.hydra.launcher
                 assert get_class(launcher._target_).__name__.endswith("Launcher"), option
                 continue
-            instantiate(cfg.model), instantiate(cfg.data), instantiate(cfg.cluster)
+            instantiate(cfg.model), instantiate(cfg.data)
+            if cfg.cluster is not None:  # cluster=auto: None, Lightning detects
+                instantiate(cfg.cluster)
             [instantiate(c) for c in cfg.callbacks.values() if c is not None]
             [instantiate(c) for c in cfg.logger.values() if c is not None]
             if cfg.trainer.accelerator == "gpu" and not _cuda():
@@ -74,7 +76,7 @@ def test_every_option_composes_and_instantiates(group: str, tmp_path: Path) -> N
                 if not isinstance(cfg.trainer.strategy, str):
                     assert isinstance(instantiate(cfg.trainer.strategy), ls.SyncDDPStrategy)
                 continue
-            if group == "cluster" and option != "local":
+            if group == "cluster" and option not in ("auto", "local"):
                 continue  # torchrun/slurm: the Trainer reads their launcher's environment (tested below)
             check_config(cfg)
             trainer = instantiate(cfg.trainer, logger=False)
@@ -143,7 +145,7 @@ def test_multirun_two_jobs_two_ranks(launcher: str, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_multirun_under_torchrun(tmp_path: Path) -> None:
     """Ranks from torchrun: nothing is spawned; both ranks walk the sweep and share each job's dir."""
-    proc = lsync_train("-m", "model.lr=0.05,0.1", "cluster=torchrun", *TINY, cwd=tmp_path, timeout=240,
+    proc = lsync_train("-m", "model.lr=0.05,0.1", *TINY,  # cluster=auto: Lightning detects torchrun cwd=tmp_path, timeout=240,
                        exe=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                             "-m", "lightning_sync.train"])
     ok(proc)
@@ -170,6 +172,8 @@ BAD_IN_ENV = {
     "torchrun_devices": (["cluster=torchrun"], {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4"},
                          "trainer.devices=2: torchrun started 4 processes per node"),
     "torchrun_missing": (["cluster=torchrun"], {}, "cluster=torchrun: no torchrun environment"),
+    "auto_under_torchrun": ([], {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"},
+                            "trainer.devices=2: torchrun started 4 processes per node"),
     "slurm_num_nodes": (["cluster=slurm", "trainer.num_nodes=2"],
                         {"SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS_PER_NODE": "2"},
                         "trainer.num_nodes=2: the SLURM allocation has 1 node(s)"),
@@ -182,7 +186,7 @@ BAD_IN_ENV = {
 @pytest.mark.parametrize("name", BAD_IN_ENV)
 def test_cluster_mismatch_is_a_config_error(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     overrides, env, message = BAD_IN_ENV[name]
-    for key in ("NODE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS_PER_NODE"):
+    for key in ("TORCHELASTIC_RUN_ID", "NODE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS_PER_NODE"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)

@@ -145,7 +145,8 @@ def test_multirun_two_jobs_two_ranks(launcher: str, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_multirun_under_torchrun(tmp_path: Path) -> None:
     """Ranks from torchrun: nothing is spawned; both ranks walk the sweep and share each job's dir."""
-    proc = lsync_train("-m", "model.lr=0.05,0.1", *TINY,  # cluster=auto: Lightning detects torchrun cwd=tmp_path, timeout=240,
+    # cluster=auto (the default): Lightning detects torchrun
+    proc = lsync_train("-m", "model.lr=0.05,0.1", *TINY, cwd=tmp_path, timeout=240,
                        exe=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                             "-m", "lightning_sync.train"])
     ok(proc)
@@ -156,6 +157,7 @@ def test_multirun_under_torchrun(tmp_path: Path) -> None:
     for job, lr in zip(jobs, [0.05, 0.1]):
         assert f"rank 1/2 done: lr={lr} " in (job / "rank1.log").read_text()
         assert len(list(job.rglob(".hydra/config.yaml"))) == 1
+    assert not leftovers(str(tmp_path)), leftovers(str(tmp_path))
 
 
 BAD = {

@@ -1,0 +1,215 @@
+"""lightning_sync.SyncBatchNorm on real gloo groups of 2 and 3 ranks, against torch's BatchNorm in one
+process on the concatenation of every rank's batch."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_sync.batchnorm import SyncBatchNorm, convert_sync_batchnorm, dedicated_group, revert_sync_batchnorm
+from tests.distributed import run_ranks
+
+C = 3
+STEPS = 3
+SIZES_3 = (5, 3, 0)  # rank 2's batch is empty: it must still join every collective
+SIZES_2 = (2, 5)
+TOL = 1e-4
+
+# (name, input dims, affine, track_running_stats, momentum, |mean| / std)
+CASES: list[tuple[str, int, bool, bool, float | None, float]] = [
+    ("1d", 2, True, True, 0.1, 0.0),
+    ("1d_len", 3, True, True, 0.1, 0.0),
+    ("2d", 4, True, True, 0.1, 0.0),
+    ("3d", 5, True, True, 0.1, 0.0),
+    ("2d_mean300", 4, True, True, 0.1, 300.0),
+    ("1d_mean300", 2, True, True, 0.1, 300.0),
+    ("momentum_none", 4, True, True, None, 0.0),
+    ("affine_off", 3, False, True, 0.1, 0.0),
+    ("no_running_stats", 4, True, False, 0.1, 0.0),
+]
+_SPATIAL = {2: (), 3: (4,), 4: (3, 2), 5: (2, 2, 2)}
+
+
+def _global_batch(step: int, total: int, ndim: int, offset: float, dtype: torch.dtype = torch.float32
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's global batch and an upstream gradient for it (loss = sum(y * dy))."""
+    g = torch.Generator().manual_seed(1000 * step + ndim)
+    shape = (total, C, *_SPATIAL[ndim])
+    scale = torch.tensor([1.0, 0.5, 2.0]).view(1, C, *([1] * (ndim - 2)))
+    shift = torch.tensor([offset, -offset, 0.5 * offset]).view(1, C, *([1] * (ndim - 2)))
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * scale + shift * scale).to(dtype)
+    dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    return x, dy
+
+
+def _make(cls: Any, ndim: int, affine: bool, track: bool, momentum: float | None, **kw: Any) -> nn.Module:
+    if cls is SyncBatchNorm:
+        layer = SyncBatchNorm(C, momentum=momentum, affine=affine, track_running_stats=track, **kw)
+    else:
+        bn = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[ndim]
+        layer = bn(C, momentum=momentum, affine=affine, track_running_stats=track, **kw)
+    if affine:  # not the identity, so a wrong weight/bias gradient path shows
+        with torch.no_grad():
+            layer.weight.copy_(torch.tensor([1.5, -0.5, 2.0]))
+            layer.bias.copy_(torch.tensor([0.1, 0.2, -0.3]))
+    return layer
+
+
+def _run_case(layer: nn.Module, sizes: tuple[int, ...], rank: int | None, ndim: int, offset: float
+              ) -> dict[str, Any]:
+    """Train-mode steps, then one eval forward; rank None = the one-process reference on all rows."""
+    lo = sum(sizes[:rank]) if rank is not None else 0
+    hi = lo + sizes[rank] if rank is not None else sum(sizes)
+    out: dict[str, Any] = {"y": [], "dx": [], "dw": [], "db": []}
+    for step in range(STEPS):
+        x_all, dy_all = _global_batch(step, sum(sizes), ndim, offset)
+        x = x_all[lo:hi].clone().requires_grad_(True)
+        layer.zero_grad()
+        y = layer(x)
+        (y * dy_all[lo:hi]).sum().backward()
+        out["y"].append(y.detach())
+        out["dx"].append(x.grad)
+        out["dw"].append(None if layer.weight is None else layer.weight.grad.clone())
+        out["db"].append(None if layer.bias is None else layer.bias.grad.clone())
+    layer.eval()
+    x_eval, _ = _global_batch(99, sum(sizes), ndim, offset)
+    with torch.no_grad():
+        out["eval"] = layer(x_eval[lo:hi])
+    out["buffers"] = {k: v.clone() for k, v in layer.named_buffers()}
+    return out
+
+
+def _all_cases(rank: int, world: int, sizes: tuple[int, ...], use_dedicated: bool) -> dict[str, Any]:
+    group = dedicated_group() if use_dedicated else None
+    results = {}
+    for name, ndim, affine, track, momentum, offset in CASES:
+        layer = _make(SyncBatchNorm, ndim, affine, track, momentum, process_group=group)
+        results[name] = _run_case(layer, sizes, rank, ndim, offset)
+    return results
+
+
+def _local_eval(rows: torch.Tensor, affine: bool) -> torch.Tensor:
+    layer = _make(nn.BatchNorm1d, rows.ndim, affine, False, 0.1).eval()
+    with torch.no_grad():
+        return layer(rows)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to max |b| (element-wise relative error is meaningless near zero)."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    if b.numel() == 0:
+        return 0.0
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> list[dict[str, Any]]:
+    return run_ranks(_all_cases, world_size=3, args=(SIZES_3, False), timeout=120)
+
+
+@pytest.fixture(scope="module")
+def two_ranks_dedicated() -> list[dict[str, Any]]:
+    return run_ranks(_all_cases, world_size=2, args=(SIZES_2, True), timeout=120)
+
+
+def _check_against_reference(results: list[dict[str, Any]], sizes: tuple[int, ...], case: tuple[Any, ...]) -> None:
+    name, ndim, affine, track, momentum, offset = case
+    ref = _run_case(_make(nn.BatchNorm1d, ndim, affine, track, momentum), sizes, None, ndim, offset)
+    per_rank = [r[name] for r in results]
+    errors: dict[str, float] = {}
+    for step in range(STEPS):
+        for key in ("y", "dx"):
+            errors[f"{key}[{step}]"] = _rel(torch.cat([r[key][step] for r in per_rank]), ref[key][step])
+        if affine:
+            for key in ("dw", "db"):  # per-rank gradients; their sum is the full-batch gradient
+                errors[f"{key}[{step}]"] = _rel(sum(r[key][step] for r in per_rank), ref[key][step])
+    if track:
+        errors["eval"] = _rel(torch.cat([r["eval"] for r in per_rank]), ref["eval"])
+    else:  # no running statistics: eval normalises each rank's batch by itself (no collective), as torch does
+        x_eval, _ = _global_batch(99, sum(sizes), ndim, offset)
+        for rank, (r, rows) in enumerate(zip(per_rank, x_eval.split(list(sizes)))):
+            if len(rows):
+                errors[f"eval on rank {rank}"] = _rel(r["eval"], _local_eval(rows, affine))
+    for buf, value in ref["buffers"].items():
+        for rank, r in enumerate(per_rank):
+            errors[f"{buf} on rank {rank}"] = _rel(r["buffers"][buf], value)
+    assert set(per_rank[0]["buffers"]) == set(ref["buffers"])
+    bad = {k: v for k, v in errors.items() if v > TOL}
+    assert not bad, f"{name}: relative errors above {TOL}: {bad}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_batchnorm_on_concatenated_batch_3_ranks(three_ranks: list[dict[str, Any]],
+                                                         case: tuple[Any, ...]) -> None:
+    _check_against_reference(three_ranks, SIZES_3, case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_batchnorm_2_ranks_dedicated_group(two_ranks_dedicated: list[dict[str, Any]],
+                                                   case: tuple[Any, ...]) -> None:
+    _check_against_reference(two_ranks_dedicated, SIZES_2, case)
+
+
+# ---------------------------------------------------------------- errors, eval, single process
+
+
+def _one_value_per_channel(rank: int, world: int) -> list[str]:
+    messages = []
+    layer = SyncBatchNorm(C)
+    for sizes in ((1,) + (0,) * (world - 1), (0,) * (world - 1) + (1,)):
+        try:
+            layer(torch.randn(sizes[rank], C))
+        except ValueError as err:
+            messages.append(str(err))
+    # The group is still usable afterwards: a normal step works.
+    layer(torch.randn(2, C)).sum().backward()
+    return messages
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_global_batch_of_one_raises_on_every_rank(world: int) -> None:
+    results = run_ranks(_one_value_per_channel, world_size=world, timeout=60, pg_timeout=20)
+    for rank, messages in enumerate(results):
+        assert len(messages) == 2, f"rank {rank} raised {len(messages)} of 2 times"
+        assert all(m.startswith("Expected more than 1 value per channel when training") for m in messages)
+        assert "rank 0 1, rank 1 0" in messages[0] and f"rank {world - 1} 1" in messages[1]
+
+
+def _eval_only_on_rank_0(rank: int, world: int) -> bool:
+    # Rank 0 runs eval forwards while rank 1 runs none; a collective inside would block until the
+    # process group's timeout (short here) and fail the test instead of passing.
+    for track in (True, False):
+        layer = SyncBatchNorm(C, track_running_stats=track).eval()
+        if rank == 0:
+            for _ in range(3):
+                layer(torch.randn(4, C, 2))
+    dist.barrier()
+    return True
+
+
+def test_eval_mode_runs_no_collective() -> None:
+    assert run_ranks(_eval_only_on_rank_0, world_size=2, timeout=60, pg_timeout=10) == [True, True]
+
+
+@pytest.mark.parametrize("ndim", [2, 4])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_not_distributed_is_exactly_batchnorm(ndim: int, momentum: float | None) -> None:
+    assert not dist.is_initialized()
+    sync = _make(SyncBatchNorm, ndim, True, True, momentum)
+    ref = _make(nn.BatchNorm1d, ndim, True, True, momentum)
+    got, want = _run_case(sync, (6,), 0, ndim, 3.0), _run_case(ref, (6,), 0, ndim, 3.0)
+    for key in ("y", "dx", "dw", "db"):
+        for a, b in zip(got[key], want[key]):
+            assert torch.equal(a, b), key
+    assert torch.equal(got["eval"], want["eval"])
+    for k, v in want["buffers"].items():
+        assert torch.equal(got["buffers"][k], v), k
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        SyncBatchNorm(C)(torch.randn(1, C))
+    with pytest.raises(ValueError, match="at least 2D"):
+        SyncBatchNorm(C)(torch.randn(C))

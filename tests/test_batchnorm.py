@@ -213,3 +213,133 @@ def test_not_distributed_is_exactly_batchnorm(ndim: int, momentum: float | None)
         SyncBatchNorm(C)(torch.randn(1, C))
     with pytest.raises(ValueError, match="at least 2D"):
         SyncBatchNorm(C)(torch.randn(C))
+
+
+# ---------------------------------------------------------------- convert / revert
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.BatchNorm1d(C)
+        self.b = nn.Sequential(nn.Conv2d(C, C, 1), nn.BatchNorm2d(C, momentum=None))
+        self.c = nn.BatchNorm3d(C, affine=False, dtype=torch.float64)
+        self.d = nn.SyncBatchNorm(C, eps=1e-3)
+        self.nobias = nn.BatchNorm1d(C, bias=False)
+        self.frozen = nn.BatchNorm2d(C).requires_grad_(False)
+        self.marked = nn.BatchNorm1d(C)
+        self.marked.sync_batchnorm = False  # type: ignore[assignment]
+        self.head = nn.Sequential(nn.BatchNorm1d(C))
+
+
+def _snapshot(model: nn.Module) -> dict[str, Any]:
+    return {
+        "classes": {n: type(m) for n, m in model.named_modules()},
+        "tensors": {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]},
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "training": {n: m.training for n, m in model.named_modules()},
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+    }
+
+
+def test_convert_and_revert_round_trip_preserve_everything() -> None:
+    model = _Net()
+    model.a.bias.requires_grad_(False)  # only partly frozen: converted, flag kept
+    model.b[1].eval()
+    model.a.qconfig = "kept"  # type: ignore[assignment]
+    calls: list[str] = []
+    model.a.register_forward_hook(lambda *_: calls.append("hook"))
+    before = _snapshot(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        converted = convert_sync_batchnorm(model, exclude=["head"])
+    assert converted is model
+    messages = [str(w.message) for w in caught if "unsynchronised" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert all(name in messages[0] for name in ("frozen", "marked", "head.0")) and "nobias" not in messages[0]
+
+    for name in ("a", "b.1", "c", "d", "nobias"):
+        assert isinstance(model.get_submodule(name), SyncBatchNorm), name
+    for name in ("frozen", "marked", "head.0"):
+        assert type(model.get_submodule(name)) is before["classes"][name], name
+    mid = _snapshot(model)
+    assert all(mid["tensors"][n] is t for n, t in before["tensors"].items()), "parameters/buffers must be the same objects"
+    assert mid["requires_grad"] == before["requires_grad"]
+    assert mid["training"] == before["training"]
+    assert model.c.running_mean.dtype == torch.float64
+    assert model.d.eps == 1e-3 and model.b[1].momentum is None and model.nobias.bias is None
+    assert model.a.qconfig == "kept"
+    model.a(torch.randn(4, C))
+    assert calls == ["hook"]
+    assert mid["state"].keys() == before["state"].keys()
+
+    # A checkpoint of the converted model loads into a fresh plain one (same keys and shapes).
+    nn.Module.load_state_dict(_Net(), model.state_dict(), strict=True)
+    assert convert_sync_batchnorm(model, exclude=["head"]) is model  # idempotent
+    reverted = revert_sync_batchnorm(model)
+    after = _snapshot(reverted)
+    assert after["classes"] == before["classes"]
+    assert all(after["tensors"][n] is t for n, t in before["tensors"].items())
+    assert after["requires_grad"] == before["requires_grad"] and after["training"] == before["training"]
+    assert not hasattr(reverted.a, "process_group") and reverted.d.process_group is None
+    assert not any(k.startswith("_lsync") for m in reverted.modules() for k in vars(m))
+    reverted.a(torch.randn(4, C))
+    assert calls == ["hook", "hook"] and reverted.a.qconfig == "kept"
+
+
+def test_convert_single_layer_and_revert_by_seen_dimensionality() -> None:
+    layer = nn.BatchNorm2d(C)
+    converted = convert_sync_batchnorm(layer)
+    assert isinstance(converted, SyncBatchNorm) and converted.weight is layer.weight
+    assert type(revert_sync_batchnorm(converted)) is nn.BatchNorm2d
+    direct = SyncBatchNorm(C)
+    assert type(revert_sync_batchnorm(direct)).__name__ == "_BatchNormXd"  # never saw an input
+    direct(torch.randn(2, C, 2, 2, 2))
+    assert type(revert_sync_batchnorm(direct)) is nn.BatchNorm3d
+    with pytest.raises(ValueError, match="lazy BatchNorm"):
+        convert_sync_batchnorm(nn.Sequential(nn.LazyBatchNorm1d()))
+
+
+# ---------------------------------------------------------------- inside torch DDP on CPU
+
+SIZES_DDP = (5, 3)
+
+
+def _ddp_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8),
+                         nn.ReLU(), nn.Linear(8, 1))
+
+
+def _ddp_batch(step: int) -> torch.Tensor:
+    return torch.randn(sum(SIZES_DDP), 4, generator=torch.Generator().manual_seed(step)) * 3 + 1
+
+
+def _train_ddp(rank: int, world: int, use_dedicated: bool) -> dict[str, torch.Tensor]:
+    model = convert_sync_batchnorm(_ddp_model(), process_group=dedicated_group() if use_dedicated else None)
+    # The check that fails for torch.nn.SyncBatchNorm on CPU ("only work with GPU modules") passes here.
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    lo = sum(SIZES_DDP[:rank])
+    for step in range(3):
+        x = _ddp_batch(step)[lo:lo + SIZES_DDP[rank]]
+        opt.zero_grad()
+        # Sum over local rows scaled so DDP's gradient average equals the full-batch mean gradient.
+        (ddp(x).square().sum() * world / sum(SIZES_DDP)).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("use_dedicated", [False, True], ids=["world_group", "dedicated_group"])
+def test_ddp_on_cpu_trains_like_one_process(use_dedicated: bool) -> None:
+    states = run_ranks(_train_ddp, world_size=2, args=(use_dedicated,), timeout=90)
+    ref = _ddp_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        ref(_ddp_batch(step)).square().mean().backward()
+        opt.step()
+    for key, want in ref.state_dict().items():
+        for rank, state in enumerate(states):
+            err = _rel(state[key], want) if want.is_floating_point() else float(not torch.equal(state[key], want))
+            assert err <= TOL, f"{key} on rank {rank}: relative error {err}"

@@ -47,6 +47,8 @@ __all__ = [
     "convert_sync_batchnorm",
     "dedicated_group",
     "revert_sync_batchnorm",
+    "share_running_stats",
+    "unshare_running_stats",
 ]
 
 #: Attribute users can set on a BatchNorm layer to keep it out of :func:`convert_sync_batchnorm`.
@@ -442,3 +444,60 @@ def dedicated_group() -> dist.ProcessGroup | None:
     if _DEDICATED is None or _DEDICATED[0] is not world:
         _DEDICATED = (world, dist.new_group(backend="gloo"))
     return _DEDICATED[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# DDP's buffer broadcast is redundant for synchronised running statistics
+
+_DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
+
+
+def share_running_stats(model: nn.Module) -> list[str]:
+    """Stop DDP from re-broadcasting running statistics that SyncBatchNorm keeps identical anyway.
+
+    With ``broadcast_buffers=True`` (the default, Lightning's too) DDP broadcasts every buffer from
+    rank 0 before each training forward: one more blocking collective per step, pure waste for the
+    running statistics of a :class:`SyncBatchNorm` synchronised over the whole world, which every
+    rank computes from the same gathered numbers. This broadcasts those buffers once from global rank
+    0 (so the ranks start equal) and adds their names to ``model._ddp_params_and_buffers_to_ignore``,
+    which DDP reads when it wraps ``model``. Other buffers (plain, frozen or excluded BatchNorm
+    layers, layers synchronised over a sub-group) keep DDP's broadcast.
+
+    **A collective**: every rank must call it, before wrapping ``model`` in DDP. Only acts on gloo
+    (CPU); on NCCL the broadcast is cheap and the buffers may not be on their device yet, so it does
+    nothing there, nor when not distributed.
+
+    Returns:
+        The buffer names added (for :func:`unshare_running_stats`).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return []
+    if "gloo" not in str(dist.get_backend()).lower():
+        return []
+    world = dist.get_world_size()
+    names: list[str] = []
+    for prefix, layer in model.named_modules():
+        if not isinstance(layer, SyncBatchNorm) or not layer.track_running_stats:
+            continue
+        group = layer.process_group if layer.process_group is not None else dist.group.WORLD
+        if dist.get_world_size(group) != world:
+            continue
+        for name, buf in layer.named_buffers(recurse=False):
+            if buf is not None:
+                dist.broadcast(buf, src=0)
+                names.append(f"{prefix}.{name}" if prefix else name)
+    if names:
+        ignored = list(getattr(model, _DDP_IGNORE, []))
+        setattr(model, _DDP_IGNORE, ignored + [n for n in names if n not in ignored])
+    return names
+
+
+def unshare_running_stats(model: nn.Module, names: Iterable[str]) -> None:
+    """Undo :func:`share_running_stats`: DDP broadcasts those buffers again (from its next wrap on)."""
+    drop = set(names)
+    if drop and hasattr(model, _DDP_IGNORE):
+        kept = [n for n in getattr(model, _DDP_IGNORE) if n not in drop]
+        if kept:
+            setattr(model, _DDP_IGNORE, kept)
+        else:
+            delattr(model, _DDP_IGNORE)

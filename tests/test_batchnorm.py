@@ -11,7 +11,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_sync.batchnorm import SyncBatchNorm, convert_sync_batchnorm, dedicated_group, revert_sync_batchnorm
+from lightning_sync.batchnorm import (
+    SyncBatchNorm,
+    convert_sync_batchnorm,
+    dedicated_group,
+    revert_sync_batchnorm,
+    share_running_stats,
+    unshare_running_stats,
+)
 from tests.distributed import run_ranks
 
 C = 3
@@ -315,10 +322,17 @@ def _ddp_batch(step: int) -> torch.Tensor:
     return torch.randn(sum(SIZES_DDP), 4, generator=torch.Generator().manual_seed(step)) * 3 + 1
 
 
-def _train_ddp(rank: int, world: int, use_dedicated: bool) -> dict[str, torch.Tensor]:
-    model = convert_sync_batchnorm(_ddp_model(), process_group=dedicated_group() if use_dedicated else None)
+def _train_ddp(rank: int, world: int, variant: str) -> dict[str, torch.Tensor]:
+    model = convert_sync_batchnorm(_ddp_model(), process_group=dedicated_group() if variant == "dedicated" else None)
+    shared: list[str] = []
+    if variant == "shared":
+        if rank == 1:  # different starting statistics: share_running_stats must make them equal once
+            model[1].running_mean.add_(5.0)
+        shared = share_running_stats(model)
+        assert shared == [f"{i}.{b}" for i in (1, 4) for b in ("running_mean", "running_var", "num_batches_tracked")]
     # The check that fails for torch.nn.SyncBatchNorm on CPU ("only work with GPU modules") passes here.
     ddp = nn.parallel.DistributedDataParallel(model)
+    assert set(shared) <= ddp.parameters_to_ignore
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     lo = sum(SIZES_DDP[:rank])
     for step in range(3):
@@ -327,12 +341,14 @@ def _train_ddp(rank: int, world: int, use_dedicated: bool) -> dict[str, torch.Te
         # Sum over local rows scaled so DDP's gradient average equals the full-batch mean gradient.
         (ddp(x).square().sum() * world / sum(SIZES_DDP)).backward()
         opt.step()
+    unshare_running_stats(model, shared)
+    assert not hasattr(model, "_ddp_params_and_buffers_to_ignore")
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("use_dedicated", [False, True], ids=["world_group", "dedicated_group"])
-def test_ddp_on_cpu_trains_like_one_process(use_dedicated: bool) -> None:
-    states = run_ranks(_train_ddp, world_size=2, args=(use_dedicated,), timeout=90)
+@pytest.mark.parametrize("variant", ["world_group", "dedicated", "shared"])
+def test_ddp_on_cpu_trains_like_one_process(variant: str) -> None:
+    states = run_ranks(_train_ddp, world_size=2, args=(variant,), timeout=90)
     ref = _ddp_model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
@@ -343,3 +359,4 @@ def test_ddp_on_cpu_trains_like_one_process(use_dedicated: bool) -> None:
         for rank, state in enumerate(states):
             err = _rel(state[key], want) if want.is_floating_point() else float(not torch.equal(state[key], want))
             assert err <= TOL, f"{key} on rank {rank}: relative error {err}"
+        assert torch.equal(states[0][key], states[1][key]), f"{key} differs across ranks"

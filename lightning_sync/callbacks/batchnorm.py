@@ -30,8 +30,9 @@ from lightning_sync.batchnorm import (
     _excluded,
     _is_frozen,
     convert_sync_batchnorm,
-    dedicated_group,
     revert_sync_batchnorm,
+    share_running_stats,
+    unshare_running_stats,
 )
 
 __all__ = ["PortableSyncBatchNorm", "SyncBatchNormConversion", "portable_layer_sync"]
@@ -44,24 +45,33 @@ class PortableSyncBatchNorm(LayerSync):
     ``Trainer(plugins=[PortableSyncBatchNorm()])`` (without ``sync_batchnorm=True``), or let
     ``strategy="ddp_sync"`` use it for ``sync_batchnorm=True``.
 
+    On gloo, :meth:`apply` also takes the synchronised running statistics out of DDP's per-step
+    buffer broadcast (:func:`~lightning_sync.batchnorm.share_running_stats`): they are identical on
+    every rank by construction, and that broadcast is one more blocking collective per step.
+
     Args:
-        process_group: the group to synchronise over. ``None``: on gloo, a group of its own
-            (:func:`~lightning_sync.batchnorm.dedicated_group`, so the BatchNorm collectives do not queue
-            behind DDP's gradient all-reduces); otherwise the default group.
+        process_group: the group to synchronise over; ``None``: the default (world) group. A group of
+            its own (:func:`~lightning_sync.batchnorm.dedicated_group`) measured slower on CPU (see
+            ``bench/bench_syncbn.py``).
         exclude: qualified module names to leave unsynchronised (see ``convert_sync_batchnorm``).
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, exclude: Iterable[str] = ()) -> None:
         self.process_group = process_group
         self.exclude = tuple(exclude)
+        self._shared: list[str] = []
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Convert ``model``'s BatchNorm layers. Every rank must call it (it may create a process group)."""
-        group = self.process_group if self.process_group is not None else dedicated_group()
-        return convert_sync_batchnorm(model, process_group=group, exclude=self.exclude)
+        """Convert ``model``'s BatchNorm layers; before the DDP wrap. Every rank must call it (on gloo
+        it broadcasts the running statistics once)."""
+        model = convert_sync_batchnorm(model, process_group=self.process_group, exclude=self.exclude)
+        self._shared = share_running_stats(model)
+        return model
 
     def revert(self, model: nn.Module) -> nn.Module:
         """Give ``model`` back its original BatchNorm classes (no collective)."""
+        unshare_running_stats(model, self._shared)
+        self._shared = []
         return revert_sync_batchnorm(model)
 
 

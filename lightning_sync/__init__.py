@@ -1,12 +1,22 @@
-"""lightning_sync: explicit, checked data synchronisation for PyTorch Lightning DDP."""
+"""lightning_sync: explicit, checked data synchronisation for PyTorch Lightning DDP.
+
+``import lightning_sync`` registers the strategy names ``"ddp_sync"`` and ``"ddp_sync_spawn"``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_sync import collectives
+from lightning_sync.callbacks import SeedBroadcast
 from lightning_sync.errors import (
     CollectiveMismatchError,
     LightningSyncError,
     ParameterDivergenceError,
     RankMismatchError,
 )
+from lightning_sync.seeding import SeedLineage, derive_seed
+from lightning_sync.strategy import SyncDDPStrategy, register as _register
+
+_register(_StrategyRegistry)
 
 __version__ = "0.1.0"
 
@@ -15,5 +25,9 @@ __all__ = [
     "LightningSyncError",
     "ParameterDivergenceError",
     "RankMismatchError",
+    "SeedBroadcast",
+    "SeedLineage",
+    "SyncDDPStrategy",
     "collectives",
+    "derive_seed",
 ]

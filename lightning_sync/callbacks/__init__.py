@@ -1,1 +1,6 @@
-"""Lightning callbacks of lightning_sync, one module each; the public names are exported by ``lightning_sync``."""
+"""Callbacks that bring lightning_sync's guarantees to any strategy, Lightning's own "ddp" included."""
+
+from lightning_sync.callbacks.batchnorm import PortableSyncBatchNorm, SyncBatchNormConversion
+from lightning_sync.callbacks.seed import SeedBroadcast
+
+__all__ = ["PortableSyncBatchNorm", "SeedBroadcast", "SyncBatchNormConversion"]

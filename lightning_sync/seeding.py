@@ -1,0 +1,213 @@
+"""Seed lineage: one root seed agreed by every rank, and the streams derived from it.
+
+What must be equal across ranks and what must differ:
+
+* the **root seed** is rank 0's and identical everywhere: samplers shuffle with it (disjoint shards
+  that cover the data set) and model initialisation runs under it (identical replicas);
+* each rank's **global RNGs** (torch, numpy, random) are then re-seeded from
+  ``derive_seed(root, "rank", global_rank)``, so dropout, noise and augmentation differ across ranks;
+* each **data-loader worker** is seeded from ``derive_seed(root, "worker", global_rank, worker_id,
+  base)``, where ``base`` is the per-epoch seed the loader draws from its rank's stream, so workers
+  differ across ranks, workers and epochs, and numpy/random are seeded too (torch leaves numpy
+  identical in every forked worker).
+
+The same root seed reproduces the run bit for bit. Per-rank RNG states go into checkpoints and are
+restored on resume, so a resumed run continues the same streams.
+
+Only ``torch`` and ``lightning_sync.collectives`` are used here (no Lightning import).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_sync.collectives import MAX_SEED, broadcast_seed, gather_objects, is_distributed
+
+__all__ = ["SeedLineage", "derive_seed", "seed_everything_local", "WorkerSeeder"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "lightning_sync"
+# Remembers which PL_GLOBAL_SEED we set ourselves, so a second trainer call in the same process
+# reports its origin truthfully.
+_AGREED_ENV = "LSYNC_AGREED_SEED"
+
+
+def derive_seed(root: int, *path: int | str) -> int:
+    """A seed in ``[0, 2**32 - 1]`` determined by ``root`` and a path such as ``("rank", 3)``.
+
+    A cryptographic hash, so neighbouring ranks or workers get unrelated streams (``root + rank``
+    would make rank 1 of seed 41 replay rank 0 of seed 42).
+    """
+    text = ":".join([str(root), *map(str, path)]).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & MAX_SEED
+
+
+def seed_everything_local(seed: int) -> None:
+    """Seed this process's torch (CPU and CUDA), numpy and ``random`` global generators."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # numpy is optional for torch
+        pass
+
+
+def _collect_rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors and plain Python values (loadable with weights_only=True)."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state["numpy"] = [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss),
+                          float(cached)]
+    except ImportError:
+        pass
+    return state
+
+
+def _restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+class WorkerSeeder:
+    """``worker_init_fn`` that seeds a data-loader worker from ``(root, rank, worker id, base)``.
+
+    Picklable, so it works with ``spawn``/``forkserver`` worker start methods. A user's own
+    ``worker_init_fn`` is never replaced.
+    """
+
+    def __init__(self, root: int, rank: int) -> None:
+        self.root = root
+        self.rank = rank
+
+    def __call__(self, worker_id: int) -> None:
+        # torch gives worker i the seed base + i, with base drawn per epoch from the rank's stream.
+        base = torch.initial_seed() - worker_id
+        seed_everything_local(derive_seed(self.root, "worker", self.rank, worker_id, base))
+
+
+@dataclass
+class SeedLineage:
+    """The root seed of a run and how every stream derives from it (same on every rank).
+
+    Attributes:
+        root: the root seed, rank 0's.
+        world_size: number of ranks.
+        origin: where the root came from (``"argument"``, ``"seed_everything"`` or ``"entropy"``).
+        local_seeds: the seed each rank was started with (``None``: none), for the log.
+    """
+
+    root: int
+    world_size: int
+    origin: str
+    local_seeds: list[int | None] = field(default_factory=list)
+    _pending_rng: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def rank_seeds(self) -> list[int]:
+        """The seed of each rank's global RNGs after model set-up."""
+        return [derive_seed(self.root, "rank", r) for r in range(self.world_size)]
+
+    # ---------------------------------------------------------------- the three moments of a run
+
+    @classmethod
+    def agree(cls, seed: int | None) -> SeedLineage:
+        """Make every rank adopt rank 0's seed (a collective when distributed; call on every rank).
+
+        ``seed`` is this rank's configured seed; ``None`` falls back to ``PL_GLOBAL_SEED`` (set by
+        ``seed_everything``), then to fresh OS entropy drawn on rank 0.
+        """
+        env = os.environ.get("PL_GLOBAL_SEED")
+        local = seed if seed is not None else (int(env) if env is not None and env.lstrip("-").isdigit() else None)
+        if seed is not None:
+            origin = "argument"
+        elif local is None:
+            origin = "entropy"
+        else:
+            origin = "an earlier run in this process" if env == os.environ.get(_AGREED_ENV) else "seed_everything"
+        root = broadcast_seed(local)
+        if is_distributed():
+            info = gather_objects((local, origin))
+            assert info is not None
+            local_seeds = [s for s, _ in info]
+            origin = info[0][1]
+            world = dist.get_world_size()
+        else:
+            local_seeds, world = [local], 1
+        lineage = cls(root=root, world_size=world, origin=origin, local_seeds=local_seeds)
+        # Samplers (Lightning reads PL_GLOBAL_SEED when it injects a DistributedSampler) and model
+        # initialisation run under the root seed on every rank.
+        os.environ["PL_GLOBAL_SEED"] = os.environ[_AGREED_ENV] = str(root)
+        seed_everything_local(root)
+        return lineage
+
+    def seed_rank_streams(self, rank: int) -> None:
+        """Switch this rank's global RNGs to its own stream (or to the state restored from a checkpoint)."""
+        if self._pending_rng is not None:
+            _restore_rng_state(self._pending_rng)
+            self._pending_rng = None
+        else:
+            seed_everything_local(derive_seed(self.root, "rank", rank))
+
+    def describe(self) -> str:
+        """One log line: the root, where it came from, and each rank's derived seed."""
+        differing = [f"rank {r} {s}" for r, s in enumerate(self.local_seeds) if s != self.local_seeds[0]]
+        note = (f"; ranks started with other seeds ({', '.join(differing)}) now follow rank 0"
+                if differing else "")
+        rank_part = ", ".join(f"rank {r} {s}" for r, s in enumerate(self.rank_seeds))
+        return (f"lightning_sync: root seed {self.root} (rank 0's, from {self.origin}){note}. "
+                f"Samplers and model init use the root; per-rank streams: {rank_part}; "
+                f"workers: derive_seed(root, 'worker', rank, worker_id, epoch base).")
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """Every rank's RNG state, gathered to rank 0 (a collective: call on every rank).
+
+        Returns the dict to store under ``checkpoint["lightning_sync"]`` on rank 0, None elsewhere.
+        """
+        states = gather_objects(_collect_rng_state(), dst=0) if is_distributed() else [_collect_rng_state()]
+        if states is None:
+            return None
+        return {"root_seed": self.root, "world_size": self.world_size, "rng_states": states}
+
+    def load_checkpoint_state(self, state: dict[str, Any] | None, rank: int) -> None:
+        """Adopt a checkpoint's root seed and queue this rank's RNG state for :meth:`seed_rank_streams`."""
+        if not state:
+            return
+        if state["root_seed"] != self.root:
+            log.info("lightning_sync: resuming with the checkpoint's root seed %s (this run agreed on %s) so "
+                     "samplers and RNG streams continue where they stopped.", state["root_seed"], self.root)
+            self.root = int(state["root_seed"])
+            os.environ["PL_GLOBAL_SEED"] = os.environ[_AGREED_ENV] = str(self.root)
+        states = state.get("rng_states") or []
+        if state.get("world_size") == self.world_size and rank < len(states):
+            self._pending_rng = states[rank]
+        else:
+            log.warning("lightning_sync: the checkpoint was written by %s ranks, this run has %s; per-rank RNG "
+                        "streams restart from the root seed instead of continuing.", state.get("world_size"),
+                        self.world_size)

@@ -1,0 +1,144 @@
+"""``SyncDDPStrategy``: Lightning's DDP plus explicit, checked synchronisation.
+
+Registered as ``"ddp_sync"`` (Lightning's subprocess launcher, torchrun, SLURM) and
+``"ddp_sync_spawn"`` by ``import lightning_sync``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_sync.collectives import MAX_SEED
+from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
+
+__all__ = ["SyncDDPStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class SyncDDPStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` with a broadcast root seed, seed lineage and clean teardown.
+
+    Accepts every :class:`~lightning.pytorch.strategies.DDPStrategy` argument, plus:
+
+    Args:
+        seed: the root seed (rank 0's value wins). ``None``: rank 0's ``seed_everything`` seed if
+            it called one, else a fresh seed from OS entropy on rank 0; either way it is broadcast.
+
+    After set-up, ``trainer.strategy.seed`` is the root seed, identical on every rank. Samplers use
+    it (disjoint, complete shards), model initialisation runs under it (identical replicas), then
+    every rank's RNGs switch to their own derived stream (dropout and augmentation differ across
+    ranks and workers). Per-rank RNG states are saved in checkpoints and restored on resume.
+    """
+
+    strategy_name = "ddp_sync"
+
+    def __init__(self, *args: Any, seed: int | None = None, **kwargs: Any) -> None:
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"SyncDDPStrategy(seed=...) must be an int or None; got {type(seed).__name__} {seed!r}.")
+        if seed is not None and not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"SyncDDPStrategy(seed={seed}): the seed must be in [0, {MAX_SEED}].")
+        super().__init__(*args, **kwargs)
+        self._seed_arg = seed
+        self._lineage: SeedLineage | None = None
+        self._pending_checkpoint_state: dict[str, Any] | None = None
+        self._failed = False
+
+    @property
+    def seed(self) -> int | None:
+        """The root seed every rank agreed on (``None`` before the process group is set up)."""
+        return self._lineage.root if self._lineage is not None else None
+
+    @property
+    def seed_lineage(self) -> SeedLineage | None:
+        """How every stream of this run derives from the root seed."""
+        return self._lineage
+
+    # ------------------------------------------------------------------ set-up
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        self._failed = False
+        self._lineage = SeedLineage.agree(self._seed_arg)
+        rank_zero_info(self._lineage.describe())
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        assert self._lineage is not None
+        # Model set-up (configure_model, DDP's broadcast) is done: from here on each rank draws its own
+        # random numbers. A checkpoint being resumed supplies the exact states instead.
+        self._lineage.load_checkpoint_state(self._pending_checkpoint_state, self.global_rank)
+        self._pending_checkpoint_state = None
+        self._lineage.seed_rank_streams(self.global_rank)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if self._lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
+            dataloader.worker_init_fn = WorkerSeeder(self._lineage.root, self.global_rank)  # type: ignore[attr-defined]
+        return dataloader
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        # Called on every rank by trainer.save_checkpoint; the RNG states come from every rank.
+        if self._lineage is not None:
+            state = self._lineage.checkpoint_state()
+            if state is not None:
+                checkpoint[CHECKPOINT_KEY] = state
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._pending_checkpoint_state = checkpoint.get(CHECKPOINT_KEY)
+        return checkpoint
+
+    # ------------------------------------------------------------------ teardown
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()  # unwraps DDP, reverts layer sync, moves the model to CPU
+        # Free DDP's reducer before the process group goes: destroying them in the wrong order at
+        # interpreter exit is what makes gloo processes SIGABRT ("terminate called without an
+        # active exception") after a successful run.
+        gc.collect()
+        if dist.is_available() and dist.is_initialized():
+            if not self._failed:
+                dist.barrier()  # nobody destroys the group while a peer still uses it
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ registry
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        # Overridden so DDPStrategy's names ("ddp", ...) are not registered a second time.
+        register(strategy_registry)
+
+
+def register(strategy_registry: _StrategyRegistry) -> None:
+    """Register ``"ddp_sync"`` and ``"ddp_sync_spawn"`` (idempotent)."""
+    entries = (
+        ("ddp_sync", "popen", "DDP with seed broadcast, exact gather support and clean teardown"),
+        ("ddp_sync_spawn", "spawn", "ddp_sync started with torch.multiprocessing.spawn"),
+    )
+    for name, start_method, description in entries:
+        if name not in strategy_registry:
+            strategy_registry.register(name, SyncDDPStrategy, description=description, start_method=start_method)

@@ -1,5 +1,5 @@
 """SyncBatchNorm with Lightning's Trainer on CPU: 2-process fits in a subprocess (Lightning's own
-launcher re-runs tests/bn_fit_script.py for rank 1), compared with one process on the same samples."""
+launcher re-runs tests/scripts/fit_batchnorm.py for rank 1), compared with one process on the same samples."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_sync.callbacks.batchnorm import SyncBatchNormConversion, portable_layer_sync, PortableSyncBatchNorm
-from tests.bn_fit_script import BATCH_PER_RANK, WORLD, BNModel, dataset
+from tests.scripts.fit_batchnorm import BATCH_PER_RANK, WORLD, BNModel, dataset
 
-SCRIPT = Path(__file__).with_name("bn_fit_script.py")
+SCRIPT = Path(__file__).parent / "scripts" / "fit_batchnorm.py"
 TOL = 1e-4
 
 
@@ -27,7 +27,7 @@ def _fit(tmp_path: Path, mode: str, timeout: float = 180) -> list[dict]:
            if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     # A session of its own, so a hang kills rank 1 (started by Lightning) as well.
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), mode], cwd=SCRIPT.parent.parent, env=env,
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), mode], cwd=SCRIPT.parents[2], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -90,6 +90,11 @@ def test_ddp_with_conversion_callback_matches_one_process(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_ddp_with_layer_sync_plugin_matches_one_process(tmp_path: Path) -> None:
     _check_fit(_fit(tmp_path, "plugin"), tmp_path)
+
+
+@pytest.mark.slow
+def test_ddp_sync_strategy_with_sync_batchnorm_flag_matches_one_process(tmp_path: Path) -> None:
+    _check_fit(_fit(tmp_path, "ddp_sync"), tmp_path)
 
 
 def test_callback_with_sync_batchnorm_flag_raises() -> None:

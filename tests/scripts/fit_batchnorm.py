@@ -1,6 +1,6 @@
 """A 2-process CPU fit of a small BatchNorm model, for tests/test_batchnorm_trainer.py.
 
-    python tests/bn_fit_script.py OUT_DIR MODE      # MODE: callback | plugin | ddp_sync
+    python tests/scripts/fit_batchnorm.py OUT_DIR MODE      # MODE: callback | plugin | ddp_sync
 
 Lightning's subprocess launcher re-runs this file for rank 1. Each rank writes OUT_DIR/rank{r}.pt
 (state dict after fit, BatchNorm classes during and after fit); rank 0 also saves a checkpoint

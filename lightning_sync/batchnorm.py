@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,7 @@ _ORIGINAL_CLASS = "_lsync_original_class"
 _ORIGINAL_GROUP = "_lsync_original_process_group"
 _SEEN_NDIM = "_lsync_seen_ndim"
 _MISSING = object()
+_M = TypeVar("_M", bound=nn.Module)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -85,7 +86,7 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
     """Synchronised batch norm from plain tensor ops and two gloo/NCCL collectives; any device."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx, input: Tensor, weight: Tensor | None, bias: Tensor | None,
         running_mean: Tensor | None, running_var: Tensor | None, eps: float, momentum: float,
         group: dist.ProcessGroup, world_size: int,
@@ -118,7 +119,8 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         if total == 0:
             # Every rank's batch is empty: torch's BatchNorm returns an empty output and leaves the
             # running statistics alone; so do we. Backward still joins its collective.
-            ctx.save_for_backward(input, weight, input.new_zeros(channels), input.new_zeros(channels))
+            ctx.save_for_backward(input, weight, input.new_zeros(channels),  # type: ignore[arg-type]  # None is fine
+                                  input.new_zeros(channels))
             ctx.total = 0  # type: ignore[attr-defined]
             ctx.group = group  # type: ignore[attr-defined]
             return torch.empty_like(input)
@@ -141,7 +143,7 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         stat_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
         mean_t = g_mean.to(stat_dtype)
         invstd = g_var.add_(eps).rsqrt_().to(stat_dtype)
-        ctx.save_for_backward(input, weight, mean_t, invstd)
+        ctx.save_for_backward(input, weight, mean_t, invstd)  # type: ignore[arg-type]  # None is fine
         ctx.total = total  # type: ignore[attr-defined]
         ctx.group = group  # type: ignore[attr-defined]
         if local_count == 0:
@@ -156,7 +158,7 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: FunctionCtx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         input, weight, mean, invstd = ctx.saved_tensors  # type: ignore[attr-defined]
         total: int = ctx.total  # type: ignore[attr-defined]
         group: dist.ProcessGroup = ctx.group  # type: ignore[attr-defined]
@@ -183,7 +185,8 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
             combined = torch.cat([sum_dy, sum_dy_xhat])
             dist.all_reduce(combined, group=group)
             if input.numel() > 0 and total > 0:
-                g_sum_dy, g_sum_dy_xhat = combined.div_(total).split(channels)
+                combined.div_(total)
+                g_sum_dy, g_sum_dy_xhat = combined[:channels], combined[channels:]
                 scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
                 # dx = w * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)), means over all ranks.
                 grad_input = (grad_output - _per_channel(g_sum_dy, ndim)).sub_(
@@ -280,9 +283,9 @@ class SyncBatchNorm(_BatchNorm):
         if _native_cuda_sync(input) and "gloo" not in str(dist.get_backend(group)).lower():
             from torch.nn.modules._functions import SyncBatchNorm as _TorchSyncBatchNorm
 
-            return _TorchSyncBatchNorm.apply(input, self.weight, self.bias, running_mean, running_var,  # type: ignore[no-any-return]
+            return _TorchSyncBatchNorm.apply(input, self.weight, self.bias, running_mean, running_var,  # type: ignore[no-untyped-call,no-any-return]
                                              self.eps, factor, group, world_size)
-        return _PortableSyncBatchNorm.apply(input, self.weight, self.bias, running_mean,  # type: ignore[no-any-return]
+        return _PortableSyncBatchNorm.apply(input, self.weight, self.bias, running_mean,  # type: ignore[no-untyped-call,no-any-return]
                                             running_var, self.eps, factor, group, world_size)
 
 
@@ -290,7 +293,7 @@ class SyncBatchNorm(_BatchNorm):
 # conversion
 
 
-def _clone_into(cls: type[nn.Module], module: nn.Module, drop: Iterable[str] = ()) -> nn.Module:
+def _clone_into(cls: type[_M], module: nn.Module, drop: Iterable[str] = ()) -> _M:
     """A ``cls`` instance holding ``module``'s state: the same parameter and buffer tensors, hooks,
     training flag and every other attribute (``qconfig``, user attributes), without calling
     ``cls.__init__`` (so BatchNorm subclasses with their own ``__init__`` signature convert too).
@@ -362,11 +365,12 @@ def _convert(module: nn.Module, group: dist.ProcessGroup | None, exclude: tuple[
                for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
             raise ValueError(f"convert_sync_batchnorm: {label} is a lazy BatchNorm that has not seen an input yet; "
                              "run one forward pass (or build it with num_features) before converting.")
-        out = _clone_into(SyncBatchNorm, module)
-        out.__dict__[_ORIGINAL_CLASS] = type(module)
-        out.__dict__[_ORIGINAL_GROUP] = module.__dict__.get("process_group", _MISSING)
+        sync = _clone_into(SyncBatchNorm, module)
+        sync.__dict__[_ORIGINAL_CLASS] = type(module)
+        sync.__dict__[_ORIGINAL_GROUP] = module.__dict__.get("process_group", _MISSING)
         own_group = module.__dict__.get("process_group") if isinstance(module, nn.SyncBatchNorm) else None
-        out.process_group = group if group is not None else own_group
+        sync.process_group = group if group is not None else own_group
+        out = sync
     elif isinstance(module, SyncBatchNorm) and group is not None:
         module.process_group = group
     for child_name, child in list(out._modules.items()):

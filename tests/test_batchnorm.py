@@ -25,6 +25,8 @@ C = 3
 STEPS = 3
 SIZES_3 = (5, 3, 0)  # rank 2's batch is empty: it must still join every collective
 SIZES_2 = (2, 5)
+SIZES = {3: SIZES_3, 2: SIZES_2}
+DDP_VARIANTS = ("world_group", "dedicated", "shared")
 TOL = 1e-4
 
 # (name, input dims, affine, track_running_stats, momentum, |mean| / std)
@@ -114,16 +116,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
 
 
-@pytest.fixture(scope="module")
-def three_ranks() -> list[dict[str, Any]]:
-    return run_ranks(_all_cases, world_size=3, args=(SIZES_3, False), timeout=120)
-
-
-@pytest.fixture(scope="module")
-def two_ranks_dedicated() -> list[dict[str, Any]]:
-    return run_ranks(_all_cases, world_size=2, args=(SIZES_2, True), timeout=120)
-
-
 def _check_against_reference(results: list[dict[str, Any]], sizes: tuple[int, ...], case: tuple[Any, ...]) -> None:
     name, ndim, affine, track, momentum, offset = case
     ref = _run_case(_make(nn.BatchNorm1d, ndim, affine, track, momentum), sizes, None, ndim, offset)
@@ -151,15 +143,9 @@ def _check_against_reference(results: list[dict[str, Any]], sizes: tuple[int, ..
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_matches_batchnorm_on_concatenated_batch_3_ranks(three_ranks: list[dict[str, Any]],
-                                                         case: tuple[Any, ...]) -> None:
-    _check_against_reference(three_ranks, SIZES_3, case)
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_matches_batchnorm_2_ranks_dedicated_group(two_ranks_dedicated: list[dict[str, Any]],
-                                                   case: tuple[Any, ...]) -> None:
-    _check_against_reference(two_ranks_dedicated, SIZES_2, case)
+@pytest.mark.parametrize("world", [3, 2], ids=["3_ranks_5_3_0", "2_ranks_2_5_own_group"])
+def test_matches_batchnorm_on_concatenated_batch(world: int, case: tuple[Any, ...]) -> None:
+    _check_against_reference([r["cases"] for r in _session(world)], SIZES[world], case)
 
 
 # ---------------------------------------------------------------- errors, eval, single process
@@ -180,16 +166,15 @@ def _one_value_per_channel(rank: int, world: int) -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_global_batch_of_one_raises_on_every_rank(world: int) -> None:
-    results = run_ranks(_one_value_per_channel, world_size=world, timeout=60, pg_timeout=20)
-    for rank, messages in enumerate(results):
+    for rank, messages in enumerate(r["one_value"] for r in _session(world)):
         assert len(messages) == 2, f"rank {rank} raised {len(messages)} of 2 times"
         assert all(m.startswith("Expected more than 1 value per channel when training") for m in messages)
         assert "rank 0 1, rank 1 0" in messages[0] and f"rank {world - 1} 1" in messages[1]
 
 
 def _eval_only_on_rank_0(rank: int, world: int) -> bool:
-    # Rank 0 runs eval forwards while rank 1 runs none; a collective inside would block until the
-    # process group's timeout (short here) and fail the test instead of passing.
+    # Rank 0 runs eval forwards while the others run none; a collective inside would block until the
+    # process group's timeout and fail the test instead of passing.
     for track in (True, False):
         layer = SyncBatchNorm(C, track_running_stats=track).eval()
         if rank == 0:
@@ -199,8 +184,9 @@ def _eval_only_on_rank_0(rank: int, world: int) -> bool:
     return True
 
 
-def test_eval_mode_runs_no_collective() -> None:
-    assert run_ranks(_eval_only_on_rank_0, world_size=2, timeout=60, pg_timeout=10) == [True, True]
+@pytest.mark.parametrize("world", [2, 3])
+def test_eval_mode_runs_no_collective(world: int) -> None:
+    assert [r["eval"] for r in _session(world)] == [True] * world
 
 
 @pytest.mark.parametrize("ndim", [2, 4])
@@ -346,9 +332,9 @@ def _train_ddp(rank: int, world: int, variant: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("variant", ["world_group", "dedicated", "shared"])
+@pytest.mark.parametrize("variant", DDP_VARIANTS)
 def test_ddp_on_cpu_trains_like_one_process(variant: str) -> None:
-    states = run_ranks(_train_ddp, world_size=2, args=(variant,), timeout=90)
+    states = [r["ddp"][variant] for r in _session(2)]
     ref = _ddp_model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
@@ -360,3 +346,35 @@ def test_ddp_on_cpu_trains_like_one_process(variant: str) -> None:
             err = _rel(state[key], want) if want.is_floating_point() else float(not torch.equal(state[key], want))
             assert err <= TOL, f"{key} on rank {rank}: relative error {err}"
         assert torch.equal(states[0][key], states[1][key]), f"{key} differs across ranks"
+
+
+# ---------------------------------------------------------------- one gloo group per world size
+
+
+def _run_session(rank: int, world: int) -> dict[str, Any]:
+    """Everything the multi-process tests above check, in one gloo group: starting ranks is the slow
+    part on a busy machine. Each test then asserts on its own piece."""
+    out: dict[str, Any] = {
+        "cases": _all_cases(rank, world, SIZES[world], world == 2),
+        "one_value": _one_value_per_channel(rank, world),
+        "eval": _eval_only_on_rank_0(rank, world),
+    }
+    if world == 2:
+        out["ddp"] = {variant: _train_ddp(rank, world, variant) for variant in DDP_VARIANTS}
+    return out
+
+
+_SESSIONS: dict[int, list[dict[str, Any]] | BaseException] = {}
+
+
+def _session(world: int) -> list[dict[str, Any]]:
+    """The session's per-rank results, run once; a failure is kept too, so it is not re-run per test."""
+    if world not in _SESSIONS:
+        try:
+            _SESSIONS[world] = run_ranks(_run_session, world_size=world, timeout=240, pg_timeout=30)
+        except BaseException as err:  # noqa: BLE001 - re-raised in every test that needs it
+            _SESSIONS[world] = err
+    result = _SESSIONS[world]
+    if isinstance(result, BaseException):
+        raise result
+    return result

@@ -6,7 +6,8 @@
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_sync import collectives
-from lightning_sync.callbacks import SeedBroadcast
+from lightning_sync.batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_sync.callbacks import SeedBroadcast, SyncBatchNormConversion
 from lightning_sync.errors import (
     CollectiveMismatchError,
     LightningSyncError,
@@ -27,7 +28,11 @@ __all__ = [
     "RankMismatchError",
     "SeedBroadcast",
     "SeedLineage",
+    "SyncBatchNorm",
+    "SyncBatchNormConversion",
     "SyncDDPStrategy",
     "collectives",
+    "convert_sync_batchnorm",
     "derive_seed",
+    "revert_sync_batchnorm",
 ]

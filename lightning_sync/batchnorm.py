@@ -95,13 +95,15 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         local_count = input.numel() // channels
         # One record per rank: [count, mean (C), M2 (C)] in float64, so the combine below is exact
         # enough even when |mean| / std is in the thousands.
-        record = torch.zeros(2 * channels + 1, dtype=torch.float64, device=input.device)
         if local_count > 0:
-            # var_mean is a one-pass Welford reduction on CPU: no catastrophic cancellation locally.
-            var, mean = torch.var_mean(input, dim=_reduce_dims(input), correction=0)
-            record[0] = local_count
-            record[1:channels + 1] = mean
-            record[channels + 1:] = var.double().mul_(local_count)
+            # var_mean is a Welford reduction on CPU: no catastrophic cancellation locally. Half
+            # precision inputs are reduced in float32, as torch's BatchNorm kernels do.
+            reduced = input if input.dtype in (torch.float32, torch.float64) else input.float()
+            var, mean = torch.var_mean(reduced, dim=_reduce_dims(input), correction=0)
+            mean64 = mean.double()  # float64 before scaling: counts above 2**24 stay exact
+            record = torch.cat([mean64.new_full((1,), local_count), mean64, var.double().mul_(local_count)])
+        else:
+            record = torch.zeros(2 * channels + 1, dtype=torch.float64, device=input.device)
         gathered = torch.empty(world_size * record.numel(), dtype=torch.float64, device=input.device)
         _all_gather_single(gathered, record, group=group)
         gathered = gathered.view(world_size, -1)
@@ -197,11 +199,6 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def _native_cuda_sync(input: Tensor) -> bool:
-    """Whether torch's CUDA kernels can do the work (they need CUDA tensors, any non-gloo group)."""
-    return input.is_cuda
-
-
 # --------------------------------------------------------------------------------------------------
 # the module
 
@@ -280,7 +277,9 @@ class SyncBatchNorm(_BatchNorm):
         if world_size <= 1:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, bn_training, factor,
                                 self.eps)
-        if _native_cuda_sync(input) and "gloo" not in str(dist.get_backend(group)).lower():
+        # torch's own kernels are CUDA-only and fused: use them for CUDA tensors on NCCL (and other
+        # non-gloo backends); everything else takes the portable path.
+        if input.is_cuda and "gloo" not in str(dist.get_backend(group)).lower():
             from torch.nn.modules._functions import SyncBatchNorm as _TorchSyncBatchNorm
 
             return _TorchSyncBatchNorm.apply(input, self.weight, self.bias, running_mean, running_var,  # type: ignore[no-untyped-call,no-any-return]

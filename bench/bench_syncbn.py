@@ -31,6 +31,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lightning_sync.batchnorm import convert_sync_batchnorm, dedicated_group, share_running_stats  # noqa: E402
 
+# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); same semantics.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 # --------------------------------------------------------------------------------------------------
 # the naive baseline: float32 sum / sum of squares, 2 blocking all_reduces per layer and step
@@ -121,24 +124,23 @@ def _time_steps(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tens
     return (time.perf_counter() - start) / steps
 
 
-def _collective_latency(args: argparse.Namespace, rank: int, world: int) -> dict[str, float]:
-    """Forward-statistics collective alone: all_gather of (n, mean, M2) vs all_reduce of float64 sums."""
+def _collective_latency(args: argparse.Namespace, rank: int, world: int) -> dict[str, list[float]]:
+    """Forward-statistics collective alone: all_gather of (n, mean, M2) vs all_reduce of float64 sums,
+    interleaved block by block."""
     c = args.hidden
     record = torch.randn(2 * c + 1, dtype=torch.float64)
     gathered = torch.empty(world * record.numel(), dtype=torch.float64)
-    out = {}
-    for name in ("all_gather (n, mean, M2)", "all_reduce float64 sums"):
-        times = []
-        for _ in range(args.rounds):
+    out: dict[str, list[float]] = {"all_gather (n, mean, M2)": [], "all_reduce float64 sums": []}
+    for _ in range(args.rounds):
+        for name, times in out.items():
             dist.barrier()
             t = time.perf_counter()
-            for _ in range(200):
+            for _ in range(50):
                 if name.startswith("all_gather"):
-                    dist.all_gather_into_tensor(gathered, record)
+                    _all_gather_single(gathered, record)
                 else:
                     dist.all_reduce(record)
-            times.append((time.perf_counter() - t) / 200)
-        out[name] = statistics.median(times)
+            times.append((time.perf_counter() - t) / 50)
     return out
 
 
@@ -163,7 +165,7 @@ def _accuracy(rank: int, world: int) -> dict[str, float]:
     var, mean = torch.var_mean(x, 0, correction=0)
     rec = torch.cat([n, mean.double(), var.double() * len(x)])
     allrec = torch.empty(world * rec.numel(), dtype=torch.float64)
-    dist.all_gather_into_tensor(allrec, rec)
+    _all_gather_single(allrec, rec)
     allrec = allrec.view(world, -1)
     cnt, means, m2 = allrec[:, :1], allrec[:, 1:9], allrec[:, 9:]
     gm = (cnt * means).sum(0) / cnt.sum()
@@ -189,7 +191,7 @@ def _rank(rank: int, world: int, init_file: str, args: argparse.Namespace, queue
         for _ in range(args.rounds):  # interleaved, so noise hits every variant alike
             for name, (ddp, opt) in runs.items():
                 times[name].append(_time_steps(ddp, opt, x, y, args.steps))
-        result = {"step": {k: statistics.median(v) for k, v in times.items()},
+        result = {"step": times,
                   "collective": _collective_latency(args, rank, world), "accuracy": _accuracy(rank, world)}
         if rank == 0:
             queue.put(result)
@@ -204,8 +206,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="samples per rank and step")
     parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved blocks per variant; the median counts")
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved blocks per variant; the median counts")
     parser.add_argument("--timeout", type=float, default=300)
     args = parser.parse_args()
     world = 2
@@ -221,15 +223,20 @@ def main() -> None:
             p.join(10)
             if p.is_alive():
                 p.kill()
-    print(f"torch {torch.__version__}, {world} ranks gloo CPU, 1 thread/rank, DDP; MLP {args.features}-{args.hidden}-"
-          f"{args.hidden}-10 with 2 BatchNorm layers, batch {args.batch}/rank; median of {args.rounds} interleaved "
-          f"blocks of {args.steps} steps")
-    base = result["step"]["local BatchNorm1d"]
-    for name, t in result["step"].items():
-        print(f"  {name:<44} {t * 1e3:7.2f} ms/step  {t / base:5.2f}x local BN")
-    print("forward-statistics collective alone (C = hidden, float64):")
+    load = os.getloadavg()[0]
+    print(f"torch {torch.__version__}, {world} ranks gloo CPU, 1 thread/rank, torch DDP; MLP {args.features}-{args.hidden}-"
+          f"{args.hidden}-10 with 2 BatchNorm layers, batch {args.batch}/rank; {args.rounds} interleaved blocks of "
+          f"{args.steps} steps per variant; {os.cpu_count()} cores, load average {load:.1f} at the end")
+    print(f"  {'step time':<44} {'median':>8} {'min':>8}   ratio to local BN (median, min)")
+    med = {k: statistics.median(v) for k, v in result["step"].items()}
+    low = {k: min(v) for k, v in result["step"].items()}
+    base = "local BatchNorm1d"
+    for name in result["step"]:
+        print(f"  {name:<44} {med[name] * 1e3:6.2f}ms {low[name] * 1e3:6.2f}ms   "
+              f"{med[name] / med[base]:5.2f}x {low[name] / low[base]:5.2f}x")
+    print("forward-statistics collective alone (C = hidden, float64), median / min:")
     for name, t in result["collective"].items():
-        print(f"  {name:<44} {t * 1e6:7.1f} us")
+        print(f"  {name:<44} {statistics.median(t) * 1e6:6.0f}us {min(t) * 1e6:6.0f}us")
     print("global variance at |mean|/std = 300, max relative error vs float64:")
     for name, e in result["accuracy"].items():
         print(f"  {name:<44} {e:.1e}")

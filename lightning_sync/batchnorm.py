@@ -78,6 +78,19 @@ def _per_channel(t: Tensor, ndim: int) -> Tensor:
     return t.view(1, -1, *([1] * (ndim - 2)))
 
 
+def _local_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and biased variance of a non-empty ``(N, C, ...)`` batch, in one pass."""
+    # Half precision is reduced in float32, as torch's BatchNorm kernels do.
+    reduced = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    if x.device.type in ("cpu", "cuda"):
+        # torch's own BatchNorm statistics kernel: accumulates in double on CPU, ~100x faster than
+        # var_mean over dim 0 of an (N, C) batch.
+        mean, var = torch.batch_norm_update_stats(reduced, None, None, 0.0)
+        return mean, var
+    var, mean = torch.var_mean(reduced, dim=_reduce_dims(x), correction=0)
+    return mean, var
+
+
 def _group_name(group: dist.ProcessGroup) -> str:
     return "the default group" if group is dist.group.WORLD else "its process group"
 
@@ -96,10 +109,7 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         # One record per rank: [count, mean (C), M2 (C)] in float64, so the combine below is exact
         # enough even when |mean| / std is in the thousands.
         if local_count > 0:
-            # var_mean is a Welford reduction on CPU: no catastrophic cancellation locally. Half
-            # precision inputs are reduced in float32, as torch's BatchNorm kernels do.
-            reduced = input if input.dtype in (torch.float32, torch.float64) else input.float()
-            var, mean = torch.var_mean(reduced, dim=_reduce_dims(input), correction=0)
+            mean, var = _local_stats(input)
             mean64 = mean.double()  # float64 before scaling: counts above 2**24 stay exact
             record = torch.cat([mean64.new_full((1,), local_count), mean64, var.double().mul_(local_count)])
         else:
@@ -118,13 +128,15 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
                 f"({format_ranks(per_rank)}). Use a larger batch, drop the last incomplete batch "
                 "(DataLoader(drop_last=True)), or put the layer in eval mode."
             )
+        # Statistics in float32 at least (half inputs), float64 for float64 inputs, as torch's kernels do.
+        stat_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
+        ctx.total = total  # type: ignore[attr-defined]
+        ctx.group = group  # type: ignore[attr-defined]
         if total == 0:
             # Every rank's batch is empty: torch's BatchNorm returns an empty output and leaves the
             # running statistics alone; so do we. Backward still joins its collective.
-            ctx.save_for_backward(input, weight, input.new_zeros(channels),  # type: ignore[arg-type]  # None is fine
-                                  input.new_zeros(channels))
-            ctx.total = 0  # type: ignore[attr-defined]
-            ctx.group = group  # type: ignore[attr-defined]
+            zeros = input.new_zeros(channels, dtype=stat_dtype)
+            ctx.save_for_backward(input, weight, zeros, zeros)  # type: ignore[arg-type]  # None is fine
             return torch.empty_like(input)
 
         # Chan et al.: mean = sum n_r mean_r / n;  M2 = sum M2_r + sum n_r (mean_r - mean)^2.
@@ -133,7 +145,6 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         weights = counts.unsqueeze(1)
         g_mean = (weights * means).sum(0).div_(total)
         g_m2 = m2s.sum(0).add_((weights * (means - g_mean).square_()).sum(0))
-        g_var = g_m2 / total
 
         if running_mean is not None and running_var is not None:
             with torch.no_grad():
@@ -141,22 +152,14 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
                 running_mean.mul_(1 - momentum).add_(g_mean.to(running_mean.dtype), alpha=momentum)
                 running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
 
-        # Statistics in float32 at least (half inputs), float64 for float64 inputs, as torch's kernels do.
-        stat_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
+        g_var = g_m2.div_(total)
         mean_t = g_mean.to(stat_dtype)
-        invstd = g_var.add_(eps).rsqrt_().to(stat_dtype)
-        ctx.save_for_backward(input, weight, mean_t, invstd)  # type: ignore[arg-type]  # None is fine
-        ctx.total = total  # type: ignore[attr-defined]
-        ctx.group = group  # type: ignore[attr-defined]
+        ctx.save_for_backward(input, weight, mean_t,  # type: ignore[arg-type]  # None is fine
+                              (g_var + eps).rsqrt_().to(stat_dtype))
         if local_count == 0:
             return torch.empty_like(input)
-        # Normalising is an affine map per channel: y = x * scale + shift, one fused pass.
-        scale = invstd if weight is None else invstd * weight.to(stat_dtype)
-        shift = -mean_t * scale
-        if bias is not None:
-            shift = shift + bias.to(stat_dtype)
-        out = torch.addcmul(_per_channel(shift, input.ndim), input, _per_channel(scale, input.ndim))
-        return out.to(input.dtype)
+        # The global statistics in the place of running ones: torch's own fused CPU/CUDA kernel.
+        return F.batch_norm(input, mean_t, g_var.to(stat_dtype), weight, bias, False, 0.0, eps)
 
     @staticmethod
     @once_differentiable
@@ -167,14 +170,16 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]  # type: ignore[attr-defined]
         channels = input.shape[1]
         ndim = input.ndim
+        local = input.numel() > 0 and total > 0
 
-        if input.numel() > 0 and total > 0:
+        if local:
             dims = _reduce_dims(input)
-            xhat = (input - _per_channel(mean, ndim)).mul_(_per_channel(invstd, ndim))
+            # x - mean, not sum(dy * x) - mean * sum(dy): that cancels when |mean| >> std.
+            xmu = input - _per_channel(mean, ndim)
             sum_dy = grad_output.sum(dims, dtype=mean.dtype)
-            sum_dy_xhat = (grad_output * xhat).sum(dims, dtype=mean.dtype)
+            sum_dy_xhat = (grad_output * xmu).sum(dims, dtype=mean.dtype).mul_(invstd)
         else:
-            xhat = input
+            xmu = input
             sum_dy = input.new_zeros(channels, dtype=mean.dtype)
             sum_dy_xhat = input.new_zeros(channels, dtype=mean.dtype)
         # Weight and bias gradients stay local: their sum over ranks is the full-batch gradient.
@@ -186,13 +191,15 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
             # Every rank joins this all_reduce, an empty one too, or its peers would wait forever.
             combined = torch.cat([sum_dy, sum_dy_xhat])
             dist.all_reduce(combined, group=group)
-            if input.numel() > 0 and total > 0:
+            if local:
                 combined.div_(total)
-                g_sum_dy, g_sum_dy_xhat = combined[:channels], combined[channels:]
+                mean_dy, mean_dy_xhat = combined[:channels], combined[channels:]
                 scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-                # dx = w * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)), means over all ranks.
-                grad_input = (grad_output - _per_channel(g_sum_dy, ndim)).sub_(
-                    xhat.mul_(_per_channel(g_sum_dy_xhat, ndim))).mul_(_per_channel(scale, ndim))
+                # dx = w * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)), means over all ranks,
+                #    = dy * scale + xmu * (-scale * invstd * mean(dy * xhat)) - scale * mean(dy): two fused passes.
+                grad_input = torch.addcmul(_per_channel(-scale * mean_dy, ndim), grad_output,
+                                           _per_channel(scale, ndim))
+                grad_input.addcmul_(xmu, _per_channel(-scale * invstd * mean_dy_xhat, ndim))
                 grad_input = grad_input.to(input.dtype)
             else:
                 grad_input = torch.zeros_like(input)

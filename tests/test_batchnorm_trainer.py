@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_sync.callbacks.batchnorm import SyncBatchNormConversion, portable_layer_sync, PortableSyncBatchNorm
+from lightning_sync.callbacks.batchnorm import PortableSyncBatchNorm, SyncBatchNormConversion, portable_layer_sync
 from tests.scripts.fit_batchnorm import BATCH_PER_RANK, WORLD, BNModel, dataset
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_batchnorm.py"

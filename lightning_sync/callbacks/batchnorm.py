@@ -17,9 +17,9 @@ from collections.abc import Iterable
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm

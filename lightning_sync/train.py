@@ -1,10 +1,11 @@
-"""lsync-train: the main job. A small BatchNorm CNN on the 8x8 digits with ddp_sync, via Hydra.
+"""lsync-train: the main job. A small BatchNorm CNN on the 8x8 digits with ddp_sync, via Hydra:
+a broadcast root seed, SyncBatchNorm, exact validation metrics (ValidationGather), one directory per job.
 
     lsync-train                                    # 2 processes on CPU (gloo); python -m lightning_sync.train
     lsync-train trainer=gpu                        # one GPU
     lsync-train trainer=gpu_ddp                    # every GPU of this node (NCCL)
-    torchrun --nproc-per-node=8 -m lightning_sync.train trainer=gpu_ddp trainer.devices=8 cluster=torchrun
-    srun --nodes=2 --ntasks-per-node=8 lsync-train trainer=gpu_ddp trainer.devices=8 trainer.num_nodes=2 cluster=slurm
+    torchrun --nproc-per-node=8 -m lightning_sync.train trainer=gpu_ddp trainer.devices=8
+    srun --nodes=2 --ntasks-per-node=8 lsync-train trainer=gpu_ddp trainer.devices=8 trainer.num_nodes=2
     lsync-train -m seed=1,2,3 model.lr=0.01,0.1    # a sweep: every job gets its own ranks and directory
 
 Configs: lightning_sync/conf (``lsync-train --help``). Rank 0 prints a summary at the end and writes

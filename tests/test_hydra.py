@@ -17,6 +17,9 @@ from hydra.utils import get_class, instantiate
 import lightning_sync as ls
 from lightning_sync.config import ConfigError, check_config
 
+# conf/hydra/launcher/*.yaml shadow the plugins' schemas of the same name on purpose (see config.py)
+pytestmark = pytest.mark.filterwarnings("ignore:.*is validated against ConfigStore schema")
+
 CONF = Path(ls.__file__).parent / "conf"
 GROUPS = ("trainer", "cluster", "model", "data", "callbacks", "logger", "experiment", "debug", "hydra/launcher")
 # 1 epoch of 2 batches: what every subprocess run uses

@@ -6,13 +6,14 @@
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_sync import collectives
-from lightning_sync.callbacks import SeedBroadcast
+from lightning_sync.callbacks import ParameterConsistencyCheck, SeedBroadcast
 from lightning_sync.errors import (
     CollectiveMismatchError,
     LightningSyncError,
     ParameterDivergenceError,
     RankMismatchError,
 )
+from lightning_sync.guard import CollectiveGuard
 from lightning_sync.seeding import SeedLineage, derive_seed
 from lightning_sync.strategy import SyncDDPStrategy, register as _register
 
@@ -21,8 +22,10 @@ _register(_StrategyRegistry)
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveGuard",
     "CollectiveMismatchError",
     "LightningSyncError",
+    "ParameterConsistencyCheck",
     "ParameterDivergenceError",
     "RankMismatchError",
     "SeedBroadcast",

@@ -283,7 +283,7 @@ class CollectiveGuard:
 
     def watch_module(self, module: torch.nn.Module) -> None:
         """Reject ``all_reduce`` calls on ``module``'s parameters or gradients (DDP already syncs them)."""
-        self._module = weakref.ref(module)
+        self._module = weakref.ref(getattr(module, "module", module))  # names as the user knows them
 
     def _side_store(self, prefix: str) -> tuple[Any, bool]:
         base = dist.distributed_c10d._get_default_store()
@@ -453,8 +453,9 @@ class CollectiveGuard:
         same_op = len({rec.split(_SEP)[:2][0] for rec in records.values()}) == 1
         message = (
             f"ranks entered different collectives (guarded collective #{n}): {detail}. "
-            + ("The operation matches but the call sites differ, so each rank would combine a different value "
-               "(e.g. different metrics logged with sync_dist=True in a different order). " if same_op else "")
+            + ("The operation matches but the call sites differ: the ranks are at different points of the program, "
+               "and the collective would combine unrelated values (e.g. different metrics logged with sync_dist=True). "
+               if same_op else "")
             + "Every rank must issue the same collectives in the same order: look for a collective, "
             "self.log(..., sync_dist=True), trainer.save_checkpoint or strategy.barrier inside a rank-dependent branch "
             "(`if self.global_rank == 0:`, `if trainer.is_global_zero:`) or in a loop whose length differs across "

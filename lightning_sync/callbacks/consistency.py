@@ -166,7 +166,7 @@ class GuardChecks(pl.Callback):
             return
         shown = {r: c for r, c in enumerate(counts)}
         if self.uneven_batches == "stop_together" and all(math.isfinite(c) for c in counts):
-            trainer.num_training_batches = int(min(counts))
+            trainer.fit_loop.max_batches = int(min(counts))  # the epoch loop stops when it reaches this
             rank_zero_info(f"ddp_sync: ranks have different numbers of training batches ({format_ranks(shown)}); "
                            f"every rank stops after {int(min(counts))} this epoch (uneven_batches='stop_together').")
             return

@@ -4,7 +4,8 @@ python tests/scripts/fit_guard.py --out DIR --scenario NAME [--no-guard] [--guar
 
 The report holds the exception each rank raised (type and message), the warnings it saw and the
 number of optimizer steps it ran. Scenarios: ok, rank0_log, rank0_checkpoint, log_keys, warnings
-(plain sampler + different initial parameters), uneven, uneven_stop, buffer_drift.
+(plain sampler, different initial parameters and uneven batches with
+uneven_batches="stop_together"), uneven, buffer_drift.
 """
 
 from __future__ import annotations
@@ -66,13 +67,13 @@ def main() -> None:
     args = parser.parse_args()
     scenario = args.scenario
     torch.manual_seed(1234 + (RANK if scenario == "warnings" else 0))  # "warnings": unsynchronised seeds
-    n = 40 + (8 * RANK if scenario.startswith("uneven") else 0)  # "uneven": rank 1 has one more batch
+    n = 40 + (8 * RANK if scenario in ("uneven", "warnings") else 0)  # rank 1 has one more batch
     data = TensorDataset(torch.randn(n, 4), torch.randn(n))
-    plain = scenario in ("warnings", "uneven", "uneven_stop")
+    plain = scenario in ("warnings", "uneven")
     train = DataLoader(data, batch_size=8, shuffle=plain)
     val = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16)), batch_size=8)
     strategy_kwargs: dict = {"guard": not args.no_guard, "guard_timeout": args.guard_timeout}
-    if scenario == "uneven_stop":
+    if scenario == "warnings":
         strategy_kwargs["uneven_batches"] = "stop_together"
     if scenario == "buffer_drift":
         strategy_kwargs["broadcast_buffers"] = False

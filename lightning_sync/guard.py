@@ -216,6 +216,15 @@ class CollectiveGuard:
 
     # ------------------------------------------------------------------ life cycle
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The strategy travels to spawned ranks pickled: send the settings, not the live state.
+        return {"timeout": self.timeout, "hang_timeout": self.hang_timeout, "match_call_sites": self.match_call_sites,
+                "history": self.history.maxlen}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+
     @property
     def active(self) -> bool:
         """True between :meth:`install` and :meth:`uninstall`."""

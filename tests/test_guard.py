@@ -25,6 +25,11 @@ from tests.distributed import run_ranks
 SCRIPT = Path(__file__).parent / "scripts" / "fit_guard.py"
 
 
+def _line(marker: str) -> int:
+    """Line of fit_guard.py holding ``marker`` (errors must name it)."""
+    return next(i for i, text in enumerate(SCRIPT.read_text().splitlines(), 1) if marker in text)
+
+
 # ---------------------------------------------------------------------------------------- rank bodies
 
 
@@ -226,10 +231,11 @@ def test_trainer_correct_program_never_trips_the_guard(tmp_path: Path) -> None:
 
 # scenario -> (error type on every rank that can act, texts the message must contain, ranks that must raise)
 SCENARIOS = {
-    "rank0_log": ("CollectiveMismatchError", ["rank 0 at fit_guard.py:41 training_step: strategy.reduce float32[]",
-                                              "rank 1 never reached it", "fit_guard.py:39 training_step"], [0]),
-    "rank0_checkpoint": ("CollectiveMismatchError", ["rank 0 at fit_guard.py:50 on_train_epoch_end",
-                                                     "rank 1 at fit_guard.py"], [0, 1]),
+    "rank0_log": ("CollectiveMismatchError", [
+        f"rank 0 at fit_guard.py:{_line('rank0_loss')} training_step: strategy.reduce float32[] op=mean",
+        "rank 1 never reached it", f"fit_guard.py:{_line('self.log("loss"')} training_step"], [0]),
+    "rank0_checkpoint": ("CollectiveMismatchError", [
+        f"rank 0 at fit_guard.py:{_line('manual.ckpt')} on_train_epoch_end", "rank 1 at fit_guard.py"], [0, 1]),
     "log_keys": ("RankMismatchError", ["logged different keys", "rank 0 ['loss_rank0'], rank 1 ['loss_rank1']"],
                  [0, 1]),
     "uneven": ("RankMismatchError", ["different numbers of training batches", "rank 0 5, rank 1 6",

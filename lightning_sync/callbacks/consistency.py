@@ -167,6 +167,12 @@ class GuardChecks(pl.Callback):
         shown = {r: c for r, c in enumerate(counts)}
         if self.uneven_batches == "stop_together" and all(math.isfinite(c) for c in counts):
             trainer.fit_loop.max_batches = int(min(counts))  # the epoch loop stops when it reaches this
+            interval = trainer.val_check_interval
+            if isinstance(interval, float) and trainer.val_check_batch not in (None, float("inf")):
+                # Validation runs on "the last batch" (or a fraction of the epoch): a cut-short rank must
+                # validate exactly when the naturally shortest one does, or DDP's buffer broadcast in the
+                # validation forward of one rank waits for the other.
+                trainer.val_check_batch = max(1, int(min(counts) * interval))
             rank_zero_info(f"ddp_sync: ranks have different numbers of training batches ({format_ranks(shown)}); "
                            f"every rank stops after {int(min(counts))} this epoch (uneven_batches='stop_together').")
             return

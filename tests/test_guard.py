@@ -229,11 +229,12 @@ def test_trainer_correct_program_never_trips_the_guard(tmp_path: Path) -> None:
     assert not r0["patched_after"]  # torch.distributed restored at teardown
 
 
+LOSS_LINE = _line('self.log("loss"')
 # scenario -> (error type on every rank that can act, texts the message must contain, ranks that must raise)
 SCENARIOS = {
     "rank0_log": ("CollectiveMismatchError", [
         f"rank 0 at fit_guard.py:{_line('rank0_loss')} training_step: strategy.reduce float32[] op=mean",
-        "rank 1 never reached it", f"fit_guard.py:{_line('self.log("loss"')} training_step"], [0]),
+        "rank 1 never reached it", f"fit_guard.py:{LOSS_LINE} training_step"], [0]),
     "rank0_checkpoint": ("CollectiveMismatchError", [
         f"rank 0 at fit_guard.py:{_line('manual.ckpt')} on_train_epoch_end", "rank 1 at fit_guard.py"], [0, 1]),
     "log_keys": ("RankMismatchError", ["logged different keys", "rank 0 ['loss_rank0'], rank 1 ['loss_rank1']"],

@@ -2,6 +2,8 @@
 
 python tests/scripts/fit_guard.py --out DIR --scenario NAME [--no-guard] [--guard-timeout S]
 
+--no-guard: ddp_sync with guard=False and no ParameterConsistencyCheck (what happens without them).
+
 The report holds the exception each rank raised (type and message), the warnings it saw and the
 number of optimizer steps it ran. Scenarios: ok, rank0_log, rank0_checkpoint, log_keys, warnings
 (plain sampler, different initial parameters and uneven batches with
@@ -81,7 +83,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=ls.SyncDDPStrategy(seed=7, **strategy_kwargs), max_epochs=2,
         logger=False, enable_checkpointing=scenario == "ok", enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=not plain, callbacks=[check], default_root_dir=str(args.out),
+        use_distributed_sampler=not plain, callbacks=[] if args.no_guard else [check], default_root_dir=str(args.out),
         num_sanity_val_steps=0,
     )
     model = Model(scenario, args.out)

@@ -39,7 +39,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from datetime import timedelta
 from typing import IO, Any
 
@@ -90,8 +90,9 @@ def _library_dirs() -> tuple[str, ...]:
     for name in ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities",
                  "torchmetrics", "typing_extensions"):
         mod = sys.modules.get(name)
-        if mod is not None and getattr(mod, "__file__", None):
-            dirs.add(os.path.dirname(os.path.abspath(mod.__file__)))  # type: ignore[arg-type]
+        path = getattr(mod, "__file__", None) if mod is not None else None
+        if path:
+            dirs.add(os.path.dirname(os.path.abspath(path)))
     for key in ("stdlib", "platstdlib"):  # contextlib, functools, threading wrappers
         path = sysconfig.get_paths().get(key)
         if path:
@@ -295,17 +296,19 @@ class CollectiveGuard:
         self._module = weakref.ref(getattr(module, "module", module))  # names as the user knows them
 
     def _side_store(self, prefix: str) -> tuple[Any, bool]:
+        # torch.distributed exports the store classes without declaring them (mypy): go through Any
+        c10d: Any = dist
         base = dist.distributed_c10d._get_default_store()
         inner = base
-        while isinstance(inner, dist.PrefixStore):
+        while isinstance(inner, c10d.PrefixStore):
             inner = inner.underlying_store
-        if isinstance(inner, dist.TCPStore):
+        if isinstance(inner, c10d.TCPStore):
             # Our own connection to the rendezvous server, with our own timeout: a blocking get then
             # waits at most `timeout` (the shared store waits as long as the process group does).
-            client = dist.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
+            client = c10d.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.timeout))
-            return dist.PrefixStore(prefix, client), True
-        return dist.PrefixStore(prefix, base), False
+            return c10d.PrefixStore(prefix, client), True
+        return c10d.PrefixStore(prefix, base), False
 
     # ------------------------------------------------------------------ interception
 
@@ -488,9 +491,9 @@ class CollectiveGuard:
                 pass
             missing.append(r)
         if not missing:  # everyone arrived just after the deadline: carry on
-            values = {self._rank: record, **arrived}
-            if len({v if self.match_call_sites else v.rsplit(_SEP, 1)[0] for v in values.values()}) > 1:
-                self._raise_mismatch(n, values)
+            late = {self._rank: record, **arrived}
+            if len({v if self.match_call_sites else v.rsplit(_SEP, 1)[0] for v in late.values()}) > 1:
+                self._raise_mismatch(n, late)
             return
         parts = [f"rank {self._rank} {self._format(record)} (waited {self.timeout:g} s)"]
         parts += [f"rank {r} {self._format(v)}" for r, v in sorted(arrived.items())]
@@ -571,7 +574,8 @@ class CollectiveGuard:
                 return  # the store is gone (process group destroyed): nothing left to watch
 
 
-def configure_nccl_flight_recorder(env: dict[str, str] | None = None, directory: str | None = None) -> dict[str, str]:
+def configure_nccl_flight_recorder(env: MutableMapping[str, str] | None = None,
+                                   directory: str | None = None) -> dict[str, str]:
     """Turn on torch's NCCL flight recorder so a collective timeout leaves a per-rank dump.
 
     Must run before the NCCL process group is created. Values already set by the user are kept.
@@ -579,7 +583,8 @@ def configure_nccl_flight_recorder(env: dict[str, str] | None = None, directory:
     Returns:
         The variables it set.
     """
-    env = os.environ if env is None else env  # type: ignore[assignment]
+    if env is None:
+        env = os.environ
     directory = directory or os.environ.get("TMPDIR", "/tmp")
     wanted = {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # entries per rank: the last collectives and their state

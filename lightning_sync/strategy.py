@@ -116,12 +116,13 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
+        assert self.model is not None
         if self._guard is not None:
             from lightning_sync.callbacks.consistency import warn_if_initial_parameters_differ
 
             warn_if_initial_parameters_differ(self.model)  # DDP is about to overwrite them with rank 0's
         super().configure_ddp()
-        if self._guard is not None:
+        if self._guard is not None and self.model is not None:
             self._guard.watch_module(self.model)
 
     @override

@@ -81,6 +81,8 @@ _MATCH: dict[str, tuple[tuple[int, str] | None, tuple[int, str] | None]] = {
     "scatter_object_list": (None, (2, "src")),
 }
 _SEP = "\x1f"
+_CLOSING = "end of guarded block"
+_RS = "\x1e"  # separates the sequence number from the record in sampled mode
 _generation = 0  # bumped by every install, in the same order on every rank: keeps store keys apart
 
 
@@ -184,10 +186,24 @@ class CollectiveGuard:
             lines on different ranks on purpose.
         stream: where the watchdog writes (default: the rank's stderr).
         history: how many of this rank's last collectives to keep for reports.
+        check_every: ``1`` (default): every rank waits for the others' announcement before each
+            collective, so a mismatch raises before anything runs. ``k > 1`` (sampled, for hot
+            loops): ranks announce every collective without waiting and verify the last ``k``
+            announcements together on every ``k``-th collective and on every barrier; a mismatch
+            raises there, naming the first differing collective (results since then are
+            unreliable). A collective that hangs meanwhile is diagnosed by the watchdog after
+            ``timeout``: it writes the same report, the stacks, and ends the process (exit code
+            70), since Python cannot raise inside a blocked collective.
     """
 
     def __init__(self, timeout: float = 120.0, hang_timeout: float | None = None, match_call_sites: bool = True,
-                 stream: IO[str] | None = None, history: int = 8) -> None:
+                 stream: IO[str] | None = None, history: int = 8, check_every: int = 1) -> None:
+        if not isinstance(check_every, int) or check_every < 1:
+            raise ValueError(f"CollectiveGuard(check_every={check_every!r}): must be a positive int.")
+        self.check_every = check_every
+        self._ring = max(8, 4 * check_every)
+        self._pending: dict[str, list[tuple[int, str]]] = {}
+        self._current: tuple[str, int, str, list[int]] | None = None
         if not timeout > 0:
             raise ValueError(f"CollectiveGuard(timeout={timeout!r}): the timeout must be a positive number of seconds.")
         if hang_timeout is not None and not hang_timeout > 0:
@@ -220,7 +236,7 @@ class CollectiveGuard:
     def __getstate__(self) -> dict[str, Any]:
         # The strategy travels to spawned ranks pickled: send the settings, not the live state.
         return {"timeout": self.timeout, "hang_timeout": self.hang_timeout, "match_call_sites": self.match_call_sites,
-                "history": self.history.maxlen}
+                "history": self.history.maxlen, "check_every": self.check_every}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
@@ -240,7 +256,7 @@ class CollectiveGuard:
             if exc_type is None and dist.is_initialized():
                 # A closing check: a rank that skipped a collective the others made is reported here,
                 # as a mismatch with call sites, rather than by a timeout somewhere else.
-                self.check("end of guarded block", "", None, _skip=1)
+                self.check(_CLOSING, "", None, _skip=1)
         finally:
             self.uninstall()
 
@@ -261,6 +277,8 @@ class CollectiveGuard:
         self.context = context
         self._rank = dist.get_rank()
         self._seq = {}
+        self._pending = {}
+        self._current = None
         self._depth = 0
         self._reported_abort = False
         self._lib_dirs = _library_dirs()
@@ -430,6 +448,9 @@ class CollectiveGuard:
         rank = self._rank
         world = ranks if ranks is not None else range(dist.get_world_size())
         peers = [r for r in world if r != rank]
+        if self.check_every > 1:
+            self._check_sampled(key, n, record, peers, verify=op in ("barrier", _CLOSING))
+            return
         store.set(f"{key}/{n}/{rank}", record)
         self.history.append(f"#{n} {op} {match} at {site}".replace("  ", " "))
         keys = [f"{key}/{n}/{r}" for r in peers]
@@ -454,17 +475,91 @@ class CollectiveGuard:
             if theirs != mine:
                 self._raise_mismatch(n, records)
 
+    def _check_sampled(self, key: str, n: int, record: str, peers: list[int], verify: bool) -> None:
+        store = self._store
+        rank = self._rank
+        # A ring of slots instead of one key per collective: nothing to delete (a round trip saved);
+        # the value carries its sequence number, so a stale slot is recognised.
+        store.set(f"{key}/s{n % self._ring}/{rank}", f"{n}{_RS}{record}")
+        self.history.append(f"#{n} {record.replace(_SEP, ' ')}")
+        self._current = (key, n, record, peers)
+        pending = self._pending.setdefault(key, [])
+        pending.append((n, record))
+        if len(pending) < self.check_every and not verify:
+            return
+        self._pending[key] = []
+        keys = [f"{key}/s{m % self._ring}/{r}" for m, _ in pending for r in peers]
+        deadline = time.monotonic() + self.timeout
+        pause = 5e-5
+        self._busy_since = time.monotonic()
+        try:
+            while True:
+                try:
+                    if not self._own_timeout:
+                        store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                    raw = store.multi_get(keys)
+                except (RuntimeError, dist.DistError):
+                    raw = None
+                if raw is not None:
+                    got = [v.decode().split(_RS, 1) for v in raw]
+                    if all(int(seq) >= m for (seq, _), (m, _) in zip(got, [p for p in pending for _ in peers])):
+                        break
+                if time.monotonic() > deadline:
+                    raise self._sampled_error(key, n, record, peers)
+                time.sleep(pause)  # a peer is not there yet: poll, backing off to 2 ms
+                pause = min(pause * 2, 2e-3)
+        finally:
+            if self._depth == 0:
+                self._busy_since = None
+        for i, (m, mine) in enumerate(pending):
+            records = {rank: mine}
+            for j, r in enumerate(peers):
+                seq, theirs = got[i * len(peers) + j]
+                records[r] = theirs if int(seq) == m else f"?{_SEP}{_SEP}(overwritten: rank is {int(seq) - m} ahead)"
+            cmp = (lambda v: v) if self.match_call_sites else (lambda v: v.rsplit(_SEP, 1)[0])
+            if any(cmp(v) != cmp(mine) for v in records.values()):
+                late = f" (checked {n - m} collective(s) later: the results of the collectives since are unreliable)"
+                self._raise_mismatch(m, records, note=late if n != m else "")
+
+    def _sampled_error(self, key: str, n: int, record: str, peers: list[int]) -> CollectiveMismatchError:
+        """Diagnose round ``n`` from the ring: who is missing, who announced something else."""
+        store = self._watch_store if threading.current_thread() is self._watchdog else self._store
+        records: dict[int, str] = {self._rank: record}
+        missing = []
+        for r in peers:
+            slot = f"{key}/s{n % self._ring}/{r}"
+            try:
+                seq, theirs = (store.get(slot).decode().split(_RS, 1) if store.check([slot]) else ("-1", ""))
+            except (RuntimeError, dist.DistError):
+                seq, theirs = "-1", ""
+            if int(seq) == n:
+                records[r] = theirs
+            else:
+                missing.append(r)
+        described = {r: self._format(v) for r, v in sorted(records.items())}
+        if missing:
+            described.update({r: "missing" for r in missing})
+            text = (f"rank(s) {', '.join(map(str, missing))} did not reach collective #{n} within {self.timeout:g} s: "
+                    + "; ".join(f"rank {r} {v}" for r, v in sorted(described.items()))
+                    + ". Make every rank issue the same collectives (see each rank's stack on its stderr).")
+        else:
+            text = (f"ranks entered different collectives (collective #{n}): "
+                    + "; ".join(f"rank {r} {v}" for r, v in sorted(described.items()))
+                    + ". Every rank must issue the same collectives in the same order; look for a collective inside a "
+                    "rank-dependent branch or a loop whose length differs across ranks.")
+        return CollectiveMismatchError(text, described)
+
     @staticmethod
     def _format(record: str) -> str:
         op, match, site = record.split(_SEP)
         return f"at {site}: {op}{' ' + match if match else ''}"
 
-    def _raise_mismatch(self, n: int, records: dict[int, str]) -> None:
+    def _raise_mismatch(self, n: int, records: dict[int, str], note: str = "") -> None:
         described = {r: self._format(rec) for r, rec in sorted(records.items())}
         detail = "; ".join(f"rank {r} {text}" for r, text in described.items())
         same_op = len({rec.split(_SEP)[:2][0] for rec in records.values()}) == 1
         message = (
-            f"ranks entered different collectives (guarded collective #{n}): {detail}. "
+            f"ranks entered different collectives (guarded collective #{n}{note}): {detail}. "
             + ("The operation matches but the call sites differ: the ranks are at different points of the program, "
                "and the collective would combine unrelated values (e.g. different metrics logged with sync_dist=True). "
                if same_op else "")
@@ -555,6 +650,21 @@ class CollectiveGuard:
         abort_keys = [f"abort/{r}" for r in range(dist.get_world_size()) if r != self._rank]
         while not self._stop.wait(1.0):
             busy = self._busy_since
+            if (self.check_every > 1 and busy is not None and self._current is not None
+                    and time.monotonic() - busy > self.timeout):
+                key, n, record, peers = self._current
+                try:
+                    error = self._sampled_error(key, n, record, peers)
+                except Exception:  # noqa: BLE001 - the store may be gone; nothing to diagnose with
+                    error = None
+                if error is not None and "missing" not in error.values.values() and "different" not in str(error):
+                    error = None  # everyone is in this collective: slow, not mismatched
+                if error is not None:
+                    self._post_abort(str(error))
+                    self._write(f"[lightning_sync guard] rank {self._rank}: CollectiveMismatchError: {error}\n"
+                                "[lightning_sync guard] this rank is blocked inside the collective, where Python "
+                                "cannot raise; ending the process (exit code 70).\n", stack=True)
+                    os._exit(70)
             if busy is not None and time.monotonic() - busy > self.hang_timeout and self._dumped_for != busy:
                 self._dumped_for = busy
                 self._write(f"[lightning_sync guard] rank {self._rank}: a collective has not finished after "

@@ -269,3 +269,42 @@ def test_trainer_warnings_and_stop_together(tmp_path: Path) -> None:
     text = "\n".join(r0["warnings"])
     assert "different initial parameters" in text and "seeds were not synchronised" in text
     assert "uses a RandomSampler, not a DistributedSampler" in text
+
+
+# ---------------------------------------------------------------------------------------- sampled mode
+
+
+def _sampled(rank: int, world: int, scenario: str) -> dict:
+    with CollectiveGuard(timeout=3, check_every=4) as guard:
+        x = torch.ones(2)
+        for _ in range(10):
+            dist.all_reduce(x)
+        dist.barrier()
+        if scenario == "other_line":
+            if rank == 0:
+                dist.all_reduce(x)  # pairs with rank 1's call on another line: noticed at the next check
+            else:
+                dist.all_reduce(x)
+            for _ in range(3):
+                dist.all_reduce(x)
+        if scenario == "hang":
+            if rank == 0:
+                dist.all_reduce(x)  # rank 1 never joins: rank 0's watchdog ends it after the timeout
+            else:
+                time.sleep(8)  # busy elsewhere; its closing check then sees rank 0's all_reduce
+        return {"checks": guard.checks, "x": x.tolist()}
+
+
+def test_sampled_mode_passes_correct_programs_and_catches_mistakes_late() -> None:
+    r0, r1 = run_ranks(_sampled, 2, args=("ok",), timeout=60)
+    assert r0["x"] == r1["x"] == [1024.0, 1024.0]
+    for text in _errors(run_ranks(_sampled, 2, args=("other_line",), timeout=60, expect_failure=True)):
+        assert "CollectiveMismatchError" in text and "guarded collective #11 (checked 3 collective(s) later" in text
+
+
+def test_sampled_mode_hang_ends_the_blocked_rank() -> None:
+    start = time.monotonic()
+    (ok0, text0), (ok1, text1) = run_ranks(_sampled, 2, args=("hang",), timeout=60, expect_failure=True)
+    assert time.monotonic() - start < 45
+    assert not ok0 and "exit code 70" in text0  # the watchdog ended rank 0, blocked in all_reduce
+    assert not ok1 and "CollectiveMismatchError" in text1 and "all_reduce float32[2]" in text1

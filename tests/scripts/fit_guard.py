@@ -1,6 +1,6 @@
 """A 2-rank fit that makes one classic DDP mistake (or none); each rank writes OUT/rank{r}.json.
 
-python tests/scripts/fit_guard.py --out DIR --scenario NAME [--no-guard] [--guard-timeout S]
+python tests/scripts/fit_guard.py --out DIR --scenario NAME [--no-guard] [--guard-timeout S] [--check-every K]
 
 --no-guard: ddp_sync with guard=False and no ParameterConsistencyCheck (what happens without them).
 
@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--scenario", default="ok")
     parser.add_argument("--no-guard", action="store_true")
     parser.add_argument("--guard-timeout", type=float, default=5.0)
+    parser.add_argument("--check-every", type=int, default=1)
     args = parser.parse_args()
     scenario = args.scenario
     torch.manual_seed(1234 + (RANK if scenario == "warnings" else 0))  # "warnings": unsynchronised seeds
@@ -74,7 +75,8 @@ def main() -> None:
     plain = scenario in ("warnings", "uneven")
     train = DataLoader(data, batch_size=8, shuffle=plain)
     val = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16)), batch_size=8)
-    strategy_kwargs: dict = {"guard": not args.no_guard, "guard_timeout": args.guard_timeout}
+    guard = ls.CollectiveGuard(check_every=args.check_every) if not args.no_guard else False
+    strategy_kwargs: dict = {"guard": guard, "guard_timeout": args.guard_timeout}
     if scenario == "warnings":
         strategy_kwargs["uneven_batches"] = "stop_together"
     if scenario == "buffer_drift":

@@ -6,7 +6,14 @@
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_sync import collectives
-from lightning_sync.callbacks import ParameterConsistencyCheck, SeedBroadcast
+from lightning_sync.batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_sync.callbacks import (
+    ParameterConsistencyCheck,
+    PortableSyncBatchNorm,
+    SeedBroadcast,
+    SyncBatchNormConversion,
+    ValidationGather,
+)
 from lightning_sync.errors import (
     CollectiveMismatchError,
     LightningSyncError,
@@ -27,10 +34,16 @@ __all__ = [
     "LightningSyncError",
     "ParameterConsistencyCheck",
     "ParameterDivergenceError",
+    "PortableSyncBatchNorm",
     "RankMismatchError",
     "SeedBroadcast",
     "SeedLineage",
+    "SyncBatchNorm",
+    "SyncBatchNormConversion",
     "SyncDDPStrategy",
+    "ValidationGather",
     "collectives",
+    "convert_sync_batchnorm",
     "derive_seed",
+    "revert_sync_batchnorm",
 ]

@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 import pickle
 import secrets
+import zlib
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -32,10 +34,12 @@ from lightning_sync.errors import CollectiveMismatchError, RankMismatchError, fo
 
 __all__ = [
     "all_gather_uneven",
+    "all_gather_uneven_dict",
     "all_reduce",
     "broadcast_object",
     "broadcast_seed",
     "gather_objects",
+    "gather_uneven",
     "is_distributed",
     "MAX_SEED",
 ]
@@ -47,7 +51,8 @@ MAX_SEED = 2**32 - 1
 
 _REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
 # Order matters: the index is the wire code. Append only.
-_CALLS = ("all_reduce", "all_gather_uneven", "broadcast_object", "gather_objects", "broadcast_seed")
+_CALLS = ("all_reduce", "all_gather_uneven", "broadcast_object", "gather_objects", "broadcast_seed",
+          "all_gather_uneven_dict", "gather_uneven")
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
     torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128, torch.uint16, torch.uint32,
@@ -89,7 +94,7 @@ def _dtype_code(dtype: torch.dtype) -> int:
     try:
         return _DTYPES.index(dtype)
     except ValueError:
-        return 1000 + (hash(str(dtype)) % 1000)
+        return 1000 + zlib.crc32(str(dtype).encode()) % 1000  # hash() of a str differs per process
 
 
 def _dtype_name(code: int) -> str:
@@ -118,7 +123,7 @@ def _record(call: str, *, arg: int = _NONE, tensor: Tensor | None = None, payloa
         rec[_I_NDIM] = tensor.ndim
         dims = list(tensor.shape)
         if len(dims) > _MAX_DIMS:  # fold the tail into one number so any difference still shows
-            dims = dims[: _MAX_DIMS - 1] + [hash(tuple(dims[_MAX_DIMS - 1:])) & 0x7FFFFFFFFFFF]
+            dims = dims[: _MAX_DIMS - 1] + [zlib.crc32(repr(dims[_MAX_DIMS - 1:]).encode())]
         rec[_I_DIMS:_I_DIMS + len(dims)] = dims
     return rec
 
@@ -138,7 +143,7 @@ def _exchange(record: list[int], group: dist.ProcessGroup | None, device: torch.
     mine = torch.tensor(record, dtype=torch.int64, device=device)
     out = torch.empty(world * _META_LEN, dtype=torch.int64, device=device)
     _all_gather_single(out, mine, group=group)
-    return out.view(world, _META_LEN).tolist()  # type: ignore[no-any-return]
+    return out.view(world, _META_LEN).tolist()
 
 
 def _global_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -236,7 +241,7 @@ def all_gather_uneven(tensor: Tensor, group: dist.ProcessGroup | None = None) ->
 
     All ranks of ``group`` must call it; it blocks. Ranks may pass any number of rows, zero
     included; dtype (any, bool and int64 too), trailing shape and device kind must match. Costs one
-    small metadata exchange and one all-gather (``all_gather_into_tensor``) of the raw bytes (nothing is pickled).
+    small metadata exchange and one all-gather of the raw bytes (nothing is pickled).
 
     Args:
         tensor: at least one dimension; dim 0 is the row dimension.
@@ -250,50 +255,188 @@ def all_gather_uneven(tensor: Tensor, group: dist.ProcessGroup | None = None) ->
     Raises:
         RankMismatchError: dtype, number of dimensions, trailing shape or device kind differ.
     """
+    rows, counts = _gather_rows("all_gather_uneven", {"": tensor}, group)
+    return rows[""], counts
+
+
+def all_gather_uneven_dict(tensors: Mapping[str, Tensor], group: dist.ProcessGroup | None = None
+                           ) -> tuple[dict[str, Tensor], list[int]]:
+    """:func:`all_gather_uneven` for several tensors that share their row dimension, in one exchange.
+
+    All ranks of ``group`` must call it with the same keys; it blocks. On each rank every tensor has
+    the same number of rows (that rank's count); dtypes and trailing shapes may differ between keys
+    but not between ranks. However many tensors, it costs one metadata exchange and one all-gather.
+
+    Returns:
+        ``(rows_by_key, counts)``, rows in rank order, keys in the order given.
+
+    Raises:
+        ValueError: the tensors of one rank have different row counts, or one is 0-d.
+        RankMismatchError: keys, dtypes, trailing shapes or device kinds differ across ranks.
+    """
+    return _gather_rows("all_gather_uneven_dict", dict(tensors), group)
+
+
+def _describe_tensor(tensor: Tensor) -> tuple[str, tuple[int, ...], str]:
+    return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.device.type
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _local_row_problem(fn: str, tensors: dict[str, Tensor]) -> str | None:
+    if not tensors:
+        return f"{fn}: got no tensors."
+    if any(t.ndim == 0 for t in tensors.values()):
+        return f"{fn}: needs tensors with a row dimension; got a 0-d tensor. Use tensor.reshape(1)."
+    counts = {k: t.shape[0] for k, t in tensors.items()}
+    if len(set(counts.values())) > 1:
+        return f"{fn}: tensors of one rank must have the same number of rows; got {counts}."
+    return None
+
+
+def _gather_rows(fn: str, tensors: dict[str, Tensor], group: dist.ProcessGroup | None
+                 ) -> tuple[dict[str, Tensor], list[int]]:
+    problem = _local_row_problem(fn, tensors)
     if not is_distributed(group):
-        if tensor.ndim == 0:
-            raise ValueError("all_gather_uneven: needs a tensor with a row dimension; got a 0-d tensor. "
-                             "Use tensor.reshape(1).")
-        return tensor, [tensor.shape[0]]
-    fn = "all_gather_uneven"
-    device = _comm_device(group, tensor)
-    records = _exchange(_record(fn, tensor=tensor), group, device)
+        if problem:
+            raise ValueError(problem)
+        return tensors, [next(iter(tensors.values())).shape[0]]
+    first = next(iter(tensors.values()), None)
+    device = _comm_device(group, first)
+    # Everything that must match is folded into one checksum, so the happy path costs one fixed-size
+    # exchange whatever the number of tensors; the details are exchanged only to explain a mismatch.
+    layout = [(k, *_describe_tensor(t)[::2], t.shape[1:], t.ndim) for k, t in tensors.items()]
+    signature = zlib.crc32(repr(layout).encode())
+    rows = first.shape[0] if first is not None and not problem else 0
+    records = _exchange(_record(fn, arg=1 if problem else 0, payload=rows, aux=signature), group, device)
     ranks = _check_same_call(fn, records, group)
+    if any(rec[_I_ARG] for rec in records) or len({rec[_I_AUX] for rec in records}) > 1:
+        _explain_row_mismatch(fn, tensors, problem, ranks, group)
+    counts = [rec[_I_PAYLOAD] for rec in records]
+    world, most, rank = len(counts), max(counts), dist.get_rank(group)
+    row_bytes = {k: math.prod(t.shape[1:]) * t.element_size() for k, t in tensors.items()}
+    width = sum(row_bytes.values())
+    if most == 0 or width == 0:
+        return {k: t.new_empty((sum(counts), *t.shape[1:])) for k, t in tensors.items()}, counts
+
+    # One rank's block: tensor after tensor, each as raw bytes; blocks padded to the largest rank.
+    flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
+    if len(flats) == 1 and counts[rank] == most and flats[0].device == device:
+        send = flats[0]
+    else:
+        send = torch.empty(most * width, dtype=torch.uint8, device=device)  # padding is never read
+        offset = 0
+        for flat in flats:
+            send[offset: offset + flat.numel()].copy_(flat)
+            offset += flat.numel()
+    out = torch.empty(world * most * width, dtype=torch.uint8, device=device).view(world, most * width)
+    _all_gather_single(out.view(-1), send, group=group)
+
+    result: dict[str, Tensor] = {}
+    offsets = [0] * world
+    for key, tensor in tensors.items():
+        rb = row_bytes[key]
+        if len(tensors) == 1 and min(counts) == most:
+            raw = out.view(-1)
+        else:
+            raw = torch.cat([out[r, offsets[r]: offsets[r] + counts[r] * rb] for r in range(world)])
+        offsets = [o + c * rb for o, c in zip(offsets, counts)]
+        result[key] = raw.view(tensor.dtype).reshape(sum(counts), *tensor.shape[1:]).to(tensor.device)
+    return result, counts
+
+
+def _explain_row_mismatch(fn: str, tensors: dict[str, Tensor], problem: str | None, ranks: list[int],
+                          group: dist.ProcessGroup | None) -> None:
+    """Second exchange, on the error path only: every rank's layout, then one precise error everywhere."""
+    mine = (problem, {k: _describe_tensor(t) for k, t in tensors.items()})
+    every = gather_objects(mine, group=group)
+    assert every is not None
+    problems = {r: p for r, (p, _) in zip(ranks, every) if p}
+    if problems:  # bad input rather than disagreement, but every rank learns every rank's problem
+        raise ValueError(f"{fn}: " + "; ".join(f"rank {r}: {p.removeprefix(fn + ': ')}" for r, p in problems.items()))
+    layouts = {r: lay for r, (_, lay) in zip(ranks, every)}
+    keys = {r: list(lay) for r, lay in layouts.items()}
+    if len({tuple(k) for k in keys.values()}) > 1:
+        raise RankMismatchError(f"{fn}: keys differ across ranks: {format_ranks(keys)}. Return the same keys from "
+                                "every rank (every step of every rank must produce the same structure).", keys)
+    for key in keys[ranks[0]]:
+        label = f" for key {key!r}" if key else ""
+        dtypes = {r: lay[key][0] for r, lay in layouts.items()}
+        _raise_if_differs(fn, "dtype" + label, dtypes, "Pass the same dtype on every rank (cast before gathering).")
+        trailing = {r: (len(lay[key][1]), lay[key][1][1:]) for r, lay in layouts.items()}
+        if len(set(trailing.values())) > 1:
+            shapes = {r: f"{_shape_text(lay[key][1])} {lay[key][0]} on {lay[key][2]}" for r, lay in layouts.items()}
+            raise RankMismatchError(
+                f"{fn}: trailing shape{label} differs across ranks: {format_ranks(shapes)}. Pass tensors with the "
+                "same trailing shape on every rank (only dim 0 may differ); pad ragged rows and gather their "
+                "lengths alongside.", shapes)
+        _raise_if_differs(fn, "device kind" + label, {r: lay[key][2] for r, lay in layouts.items()},
+                          "Put the tensors on the same kind of device on every rank.")
+    raise AssertionError(f"{fn}: layout checksums differ but no difference was found: {layouts}")
+
+
+def gather_uneven(tensor: Tensor, dst: int = 0, group: dist.ProcessGroup | None = None
+                  ) -> tuple[Tensor | None, list[int]]:
+    """Like :func:`all_gather_uneven`, but only global rank ``dst`` receives the rows.
+
+    All ranks of ``group`` must call it with the same ``dst``; it blocks. The other ranks never
+    allocate the gathered rows, so a large result costs memory on ``dst`` only.
+
+    Args:
+        tensor: at least one dimension; dim 0 is the row dimension (any count, zero included).
+        dst: the global rank that receives the rows.
+        group: the process group; the world by default.
+
+    Returns:
+        ``(rows, counts)`` on ``dst`` (rows as in :func:`all_gather_uneven`), ``(None, counts)`` on the
+        other ranks; every rank gets the per-rank row counts. Not distributed: ``(tensor, [len(tensor)])``.
+
+    Raises:
+        RankMismatchError: ``dst``, dtype, trailing shape or device kind differ across ranks.
+    """
+    if tensor.ndim == 0:
+        raise ValueError("gather_uneven: needs a tensor with a row dimension; got a 0-d tensor. Use tensor.reshape(1).")
+    if not is_distributed(group):
+        return tensor, [tensor.shape[0]]
+    fn = "gather_uneven"
+    device = _comm_device(group, tensor)
+    records = _exchange(_record(fn, arg=dst, tensor=tensor), group, device)
+    ranks = _check_same_call(fn, records, group)
+    _raise_if_differs(fn, "dst", {r: rec[_I_ARG] for r, rec in zip(ranks, records)}, "Pass the same dst on every rank.")
+    if dst not in ranks:
+        raise ValueError(f"gather_uneven: dst={dst} is not a rank of the group (its global ranks: {ranks}).")
     _raise_if_differs(fn, "dtype", {r: _dtype_name(rec[_I_DTYPE]) for r, rec in zip(ranks, records)},
                       "Pass the same dtype on every rank (cast before gathering).")
     if len({(rec[_I_NDIM], _shape_of(rec)[1:]) for rec in records}) > 1:
         shapes = {r: _describe(rec) for r, rec in zip(ranks, records)}
         raise RankMismatchError(
             f"{fn}: trailing shape differs across ranks: {format_ranks(shapes)}. Pass tensors with the same trailing "
-            "shape on every rank (only dim 0 may differ); pad ragged rows and gather their lengths alongside.",
-            shapes,
-        )
+            "shape on every rank (only dim 0 may differ).", shapes)
     _raise_if_differs(fn, "device kind", {r: _device_name(rec[_I_DEVICE]) for r, rec in zip(ranks, records)},
                       "Put the tensor on the same kind of device on every rank.")
-    if tensor.ndim == 0:
-        raise ValueError("all_gather_uneven: needs a tensor with a row dimension; got a 0-d tensor on every rank. "
-                         "Use tensor.reshape(1).")
-
     counts = [rec[_I_DIMS] for rec in records]
     trailing = tuple(tensor.shape[1:])
     row_bytes = math.prod(trailing) * tensor.element_size()
-    world = len(counts)
-    most = max(counts)
+    is_dst = dist.get_rank() == dst
+    world, most = len(counts), max(counts)
     if most == 0 or row_bytes == 0:
-        return tensor.new_empty((sum(counts), *trailing)), counts
-
+        return (tensor.new_empty((sum(counts), *trailing)) if is_dst else None), counts
     local = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     if counts[dist.get_rank(group)] == most and local.device == device:
         send = local
     else:
         send = torch.zeros(most * row_bytes, dtype=torch.uint8, device=device)
         send[: local.numel()].copy_(local)
-    out = torch.empty(world * most * row_bytes, dtype=torch.uint8, device=device)
-    _all_gather_single(out, send, group=group)
+    out = torch.empty(world, most * row_bytes, dtype=torch.uint8, device=device) if is_dst else None
+    dist.gather(send, list(out.unbind(0)) if out is not None else None, dst=dst, group=group)
+    if out is None:
+        return None, counts
+    flat = out.reshape(-1)
     if min(counts) != most:  # drop each rank's padding
-        out = out.view(world, most * row_bytes)
-        out = torch.cat([out[r, : counts[r] * row_bytes] for r in range(world)])
-    rows = out.view(tensor.dtype).reshape(sum(counts), *trailing)
+        flat = torch.cat([out[r, : counts[r] * row_bytes] for r in range(world)])
+    rows = flat.view(tensor.dtype).reshape(sum(counts), *trailing)
     return rows.to(tensor.device), counts
 
 

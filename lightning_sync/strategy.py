@@ -11,13 +11,14 @@ import logging
 from typing import Any
 
 import torch.distributed as dist
-from torch import Tensor
-from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
 from typing_extensions import override
 
+from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.collectives import MAX_SEED
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
@@ -101,6 +102,8 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        # sync_batchnorm=True built torch's SyncBatchNorm conversion (CUDA only); use the portable one.
+        self._layer_sync = portable_layer_sync(self._layer_sync)
         super().setup(trainer)
         assert self._lineage is not None
         # Model set-up (configure_model, DDP's broadcast) is done: from here on each rank draws its own

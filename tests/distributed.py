@@ -61,7 +61,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, a
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (), timeout: float = 60.0,
-              pg_timeout: float = 30.0, init: bool = True, expect_failure: bool = False) -> list[Any]:
+              pg_timeout: float = 30.0, init: bool = True, expect_failure: bool = False, failure_grace: float = 5.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results in rank order.
 
     Args:
@@ -70,6 +70,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] =
         pg_timeout: the process group's own timeout.
         init: join a gloo group before calling ``fn`` (and destroy it after).
         expect_failure: return the per-rank outcomes ``(ok, result_or_traceback)`` instead of raising.
+        failure_grace: once a rank has failed (and failure is not expected), how long the others
+            get before they are killed.
 
     Raises:
         RankFailure: a rank raised, died or timed out (unless ``expect_failure``).
@@ -94,6 +96,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] =
             try:
                 rank, ok, payload = queue.get(timeout=min(remaining, 0.5))
                 outcomes[rank] = (ok, payload)
+                if not ok and not expect_failure:  # peers are likely stuck in a collective now
+                    deadline = min(deadline, time.monotonic() + failure_grace)
             except queue_mod.Empty:
                 if all(not p.is_alive() for p in procs) and queue.empty():
                     time.sleep(0.2)

@@ -70,6 +70,12 @@ def _all_cases(rank: int, world: int) -> dict[str, object]:
     out["gather_empty_here"] = C.all_gather_uneven(_rows(rank)[: 0 if rank == 0 else 2])
     out["gather_all_empty"] = C.all_gather_uneven(torch.empty(0, 4))
     out["gather_3d"] = C.all_gather_uneven(torch.full((rank, 2, 2), float(rank)))
+    n = 4 - rank
+    out["gather_dict"] = C.all_gather_uneven_dict({
+        "x": torch.full((n, 3), float(rank)),
+        "idx": torch.arange(n, dtype=torch.int64) + BIG,
+        "flag": torch.ones(n, 2, dtype=torch.bool),
+    })
     # objects
     out["bcast"] = C.broadcast_object({"rank": rank, "s": "x" * (10 * rank)} if rank == 1 else None, src=1)
     out["gather_all"] = C.gather_objects(("r", rank, "y" * rank))
@@ -110,6 +116,12 @@ def test_collectives_match_one_process(world: int) -> None:
         rows, counts = res["gather_3d"]
         assert rows.shape == (sum(range(world)), 2, 2) and counts == list(range(world))
 
+        parts, counts = res["gather_dict"]
+        assert counts == [4 - r for r in range(world)] and list(parts) == ["x", "idx", "flag"]
+        assert torch.equal(parts["x"], torch.cat([torch.full((4 - r, 3), float(r)) for r in range(world)]))
+        assert parts["idx"].tolist() == [i + BIG for r in range(world) for i in range(4 - r)]
+        assert parts["flag"].shape == (sum(counts), 2) and bool(parts["flag"].all())
+
         assert res["bcast"] == {"rank": 1, "s": "x" * 10}
         assert res["gather_all"] == [("r", r, "y" * r) for r in range(world)]
         assert res["seed_given"] == 1000
@@ -142,6 +154,12 @@ def _mismatch(rank: int, world: int, case: str) -> str:
             C.broadcast_object("x", src=rank)
         elif case == "dst":
             C.gather_objects("x", dst=0 if rank == 0 else None)
+        elif case == "dict_keys":
+            C.all_gather_uneven_dict({"a": torch.zeros(2), "b": torch.zeros(2)} if rank == 0 else {"a": torch.zeros(1)})
+        elif case == "dict_dtype":
+            C.all_gather_uneven_dict({"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.int64 if rank else torch.int32)})
+        elif case == "dict_rows":
+            C.all_gather_uneven_dict({"a": torch.zeros(2), "b": torch.zeros(3 if rank else 2)})
         elif case == "seed_range":
             C.broadcast_seed(-5 if rank == 0 else 3)
     except ls.LightningSyncError as err:
@@ -165,6 +183,11 @@ def _mismatch(rank: int, world: int, case: str) -> str:
                        "rank 0 all_reduce, rank 1 all_gather_uneven"),
         ("src", "broadcast_object: src differs across ranks: rank 0 0, rank 1 1"),
         ("dst", "gather_objects: dst differs across ranks: rank 0 0, rank 1 None"),
+        ("dict_keys", "RankMismatchError: all_gather_uneven_dict: keys differ across ranks: rank 0 ['a', 'b'], "
+                      "rank 1 ['a']"),
+        ("dict_dtype", "all_gather_uneven_dict: dtype for key 'b' differs across ranks: rank 0 int32, rank 1 int64"),
+        ("dict_rows", "ValueError: all_gather_uneven_dict: rank 1: tensors of one rank must have the same number of "
+                      "rows; got {'a': 2, 'b': 3}"),
         ("seed_range", "ValueError: broadcast_seed: rank 0's seed is outside [0, 4294967295]"),
     ],
 )

@@ -520,10 +520,12 @@ class CollectiveGuard:
             for j, r in enumerate(peers):
                 seq, theirs = got[i * len(peers) + j]
                 records[r] = theirs if int(seq) == m else f"?{_SEP}{_SEP}(overwritten: rank is {int(seq) - m} ahead)"
-            cmp = (lambda v: v) if self.match_call_sites else (lambda v: v.rsplit(_SEP, 1)[0])
-            if any(cmp(v) != cmp(mine) for v in records.values()):
+            if any(self._comparable(v) != self._comparable(mine) for v in records.values()):
                 late = f" (checked {n - m} collective(s) later: the results of the collectives since are unreliable)"
                 self._raise_mismatch(m, records, note=late if n != m else "")
+
+    def _comparable(self, record: str) -> str:
+        return record if self.match_call_sites else record.rsplit(_SEP, 1)[0]
 
     def _sampled_error(self, key: str, n: int, record: str, peers: list[int]) -> CollectiveMismatchError:
         """Diagnose round ``n`` from the ring: who is missing, who announced something else."""

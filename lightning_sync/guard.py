@@ -103,6 +103,10 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# The package's own training entry point is the user's code as far as call sites go: its ranks may
+# start differently (rank 0 as the `lsync-train` console script, the others as `python -m`), so the
+# frames outside it differ while its own lines are the same on every rank.
+_ENTRY_POINTS = frozenset({os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")})
 _COLLECTIVES_FILE = os.path.abspath(collectives.__file__)
 # Callers whose collectives pass unchecked: lightning_sync.collectives checks each public call once
 # through its hook; the portable SyncBatchNorm's per-layer all-reduces are symmetric by construction
@@ -409,7 +413,8 @@ class CollectiveGuard:
             code = frame.f_code
             is_lib = lib.get(code)
             if is_lib is None:
-                is_lib = lib[code] = code.co_filename.startswith(self._lib_dirs)
+                is_lib = lib[code] = (code.co_filename.startswith(self._lib_dirs)
+                                      and code.co_filename not in _ENTRY_POINTS)
             if not is_lib:
                 site = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}"
                 break

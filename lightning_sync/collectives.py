@@ -133,7 +133,7 @@ def _exchange(record: list[int], group: dist.ProcessGroup | None, device: torch.
     mine = torch.tensor(record, dtype=torch.int64, device=device)
     out = torch.empty(world * _META_LEN, dtype=torch.int64, device=device)
     _all_gather_single(out, mine, group=group)
-    return out.view(world, _META_LEN).tolist()  # type: ignore[no-any-return]
+    return out.view(world, _META_LEN).tolist()
 
 
 def _global_ranks(group: dist.ProcessGroup | None) -> list[int]:

@@ -67,13 +67,14 @@ def _collect_rng_state() -> dict[str, Any]:
     """This process's RNG states as tensors and plain Python values (loadable with weights_only=True)."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy as np
 
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state["numpy"] = [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss),
+                          float(cached)]
     except ImportError:
         pass
     return state

@@ -11,10 +11,10 @@ import logging
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync.collectives import MAX_SEED

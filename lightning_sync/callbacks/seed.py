@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_sync.collectives import MAX_SEED
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage

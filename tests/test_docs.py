@@ -214,6 +214,21 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
                                   f"{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}")
 
 
+def _table(path: Path) -> list[str]:
+    """The quick-reference table's rows, with links made relative to the repository root."""
+    rows = [line for line in path.read_text().splitlines() if line.startswith("| ")]
+    return [re.sub(r"\]\((\.\./)?", "](", row) for row in rows if "what syncs it" in row or "](" in row]
+
+
+def test_guide_and_readme_quick_reference_tables_agree() -> None:
+    """docs/README_quickref.md is the README's section; docs/guide.md carries the same table."""
+    quickref = _table(ROOT / "docs" / "README_quickref.md")
+    assert quickref and quickref == _table(ROOT / "docs" / "guide.md")[: len(quickref)]
+    readme = ROOT / "README.md"
+    if readme.exists() and "| scenario | what syncs it |" in readme.read_text():  # pasted: keep it in step
+        assert _table(readme)[: len(quickref)] == quickref, "README.md's quick reference differs from docs/README_quickref.md"
+
+
 def test_api_reference_is_up_to_date() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "docs" / "gen_api.py"), "--check"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

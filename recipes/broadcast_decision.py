@@ -52,8 +52,7 @@ class Model(L.LightningModule):
             print(f"rank {self.global_rank} caught CollectiveMismatchError: {err}", flush=True)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
         self.last_loss = loss.item()
         return loss
 
@@ -80,7 +79,7 @@ def main() -> None:
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--max-epochs", type=int, default=10)
-    p.add_argument("--stop-after", type=int, default=3, help="rank 0 decides to stop after this many epochs")
+    p.add_argument("--stop-after", type=int, default=3, help="rank 0 stops the run after this many epochs")
     p.add_argument("--ckpt-dir", default="checkpoints")
     p.add_argument("--show-mistake", action="store_true")
     args = p.parse_args()

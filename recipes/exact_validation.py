@@ -37,7 +37,7 @@ class Classifier(L.LightningModule):
         return {"preds": preds, "target": y}  # one row per sample; the callback adds the dataset index
 
     def on_validation_gathered(self, outputs: dict, dataloader_idx: int) -> None:
-        index = outputs["index"]  # ascending, each dataset index exactly once, on every rank
+        index = outputs["index"].cpu()  # ascending, each dataset index exactly once, on every rank
         exact = index.equal(torch.arange(len(index)))
         print(f"rank {self.global_rank} gathered {len(index)} rows, index == range(N): {exact}", flush=True)
 

@@ -33,7 +33,7 @@ class Indexed(Dataset):
     def __len__(self) -> int:
         return N
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
         return i, torch.full((8,), float(i))
 
 
@@ -53,8 +53,7 @@ class Model(L.LightningModule):
     def training_step(self, batch, batch_idx):
         idx, x = batch
         self.seen += idx.tolist()
-        hidden = self.net[0](x)
-        dropped = self.net[1](hidden)
+        dropped = self.net[1](self.net[0](x))
         self.masks.append(digest(dropped != 0))
         return self.net[2](dropped).pow(2).mean()
 
@@ -68,10 +67,10 @@ class Model(L.LightningModule):
             epochs = [[rank[3][e:e + per_epoch] for rank in every] for e in range(0, len(self.seen), per_epoch)]
             disjoint = all(sorted(sum(shards, [])) == list(range(N)) for shards in epochs)
             seeds = {r[0] for r in every}
-            print(f"root seed agreed: {None not in seeds and len(seeds) == 1}", flush=True)
-            print(f"model init equal: {len({r[1] for r in every}) == 1}", flush=True)
-            print(f"shards disjoint and complete every epoch: {disjoint}", flush=True)
-            print(f"dropout masks differ: {len({r[2] for r in every}) == len(every)}", flush=True)
+            print(f"root seed agreed: {None not in seeds and len(seeds) == 1}\n"
+                  f"model init equal: {len({r[1] for r in every}) == 1}\n"
+                  f"shards disjoint and complete every epoch: {disjoint}\n"
+                  f"dropout masks differ: {len({r[2] for r in every}) == len(every)}", flush=True)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)

@@ -61,7 +61,9 @@ EXEMPT: dict[str, str] = {
     r"\.venv/bin/python bench/bench_core\.py": "a benchmark: minutes of timing loops, results are read by people",
 }
 
-RECIPE_COMMAND = re.compile(r"(?:(?:\S*/)?python3? |(?:\S*/)?torchrun (?:--?[\w-]+(?:=\S+)? )*)recipes/(\w+\.py)(.*)")
+# `python recipes/X.py ...`, `.venv/bin/python ...`, `torchrun [--opt[=| ]value ...] recipes/X.py ...`
+RECIPE_COMMAND = re.compile(r"(?:(?:\S*/)?python3? |(?:\S*/)?torchrun (?:--?[\w-]+(?:[= ](?!recipes/)[^-\s]\S*)? )*)"
+                            r"recipes/(\w+\.py)(.*)")
 
 
 @dataclass(frozen=True)
@@ -261,6 +263,8 @@ def test_coverage_rules() -> None:
     assert coverage_problem("python recipes/ddp_basics.py --max-steps 3") is None
     assert coverage_problem("torchrun --standalone --nproc_per_node=2 recipes/local_sgd.py --k 2") is None
     assert coverage_problem("OMP_NUM_THREADS=1 python recipes/ddp_basics.py") is None
+    assert coverage_problem("torchrun --nnodes 2 --node_rank=0 --master_addr=10.0.0.1 --nproc_per_node 8 "
+                            "recipes/ddp_basics.py --accelerator gpu --devices 8 --num-nodes 2") is None
     assert "no option --nope" in (coverage_problem("python recipes/ddp_basics.py --nope 1") or "")
     assert "not run by tests/test_recipes.py" in (coverage_problem("python recipes/unknown.py") or "")
     assert "not run by any test" in (coverage_problem("rm -rf /") or "")

@@ -204,7 +204,14 @@ def test_shell_block_commands_are_run_by_the_suite(block: Block) -> None:
     assert not problems, f"{block.where}: " + "; ".join(f"`{c}`: {p}" for c, p in problems.items())
 
 
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang in PYTHON], ids=lambda b: b.where)
+def _python_params() -> list[object]:
+    """Python blocks; those that start processes (Lightning devices=N, mp.spawn) carry the slow marker."""
+    multi = re.compile(r"devices\s*=\s*[2-9]|mp\.spawn|multiprocessing|init_process_group")
+    return [pytest.param(b, id=b.where, marks=[pytest.mark.slow] if multi.search(b.code) else [])
+            for b in BLOCKS if b.lang in PYTHON]
+
+
+@pytest.mark.parametrize("block", _python_params())
 def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     ast.parse(block.code, filename=block.where)  # a syntax error is reported with the doc's name
     script = tmp_path / "block.py"

@@ -77,7 +77,8 @@ def _members(cls: type) -> list[tuple[str, Any]]:
 def _entry(qualname: str, obj: Any, level: int = 2) -> str:
     head = "#" * level
     if inspect.isclass(obj):
-        parts = [f"{head} `{qualname}`\n", _block(f"class {obj.__name__}{_signature(obj).removesuffix(' -> None')}\n\n{_doc(obj)}")]
+        signature = _signature(obj).removesuffix(" -> None")  # a class call returns an instance
+        parts = [f"{head} `{qualname}`\n", _block(f"class {obj.__name__}{signature}\n\n{_doc(obj)}")]
         for name, member in _members(obj):
             if isinstance(member, property):
                 parts.append(_block(f"property {obj.__name__}.{name}\n\n{_doc(member)}"))

@@ -46,7 +46,8 @@ def run(cmd: list[str], cwd: Path, timeout: int = TIMEOUT) -> str:
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(["timeout", "-k", "5", str(timeout), *cmd], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout + 30)
-    assert proc.returncode == 0, f"{' '.join(cmd)}: exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (f"{' '.join(cmd)}: exit {proc.returncode}\n"
+                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc.stdout
 
 
@@ -126,12 +127,15 @@ def test_loss_averaging_equals_mean_of_rank_losses(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_broadcast_decision_and_the_rank_divergent_mistake(tmp_path: Path) -> None:
     out = script("broadcast_decision.py", "--max-epochs", "5", "--stop-after", "2", "--show-mistake",
-                    "--ckpt-dir", str(tmp_path / "ckpt"), cwd=tmp_path)
+                 "--ckpt-dir", str(tmp_path / "ckpt"), cwd=tmp_path)
     lr = per_rank(r"rank (\d) lr " + NUM, out)
     assert lr[0] == lr[1], "the hyperparameter differs across ranks"
-    caught = per_rank(r"rank (\d) caught CollectiveMismatchError: \w+: ranks entered different collectives: "
-                      r"(rank 0 broadcast_object, rank 1 gather_objects)", out)
-    assert caught[0] == caught[1]
+    # The message names both calls; its wording depends on who caught it (the collectives' own check
+    # or, under ddp_sync's collective guard, the guard with call sites), so only the facts are checked.
+    caught = per_rank(r"rank (\d) caught CollectiveMismatchError: ([^\n]*ranks entered different collectives[^\n]*)",
+                      out)
+    for (message,) in caught.values():
+        assert "rank 0" in message and "broadcast_object" in message and "gather_objects" in message, message
     stopped = per_rank(r"rank (\d) stopped after (\d+) epochs", out)
     assert stopped[0] == stopped[1] == ("2",), "ranks did not stop together at rank 0's decision"
     assert (tmp_path / "ckpt" / "best.ckpt").is_file()
@@ -147,7 +151,9 @@ def test_exact_validation_counts_every_sample_once(tmp_path: Path) -> None:
     assert metrics[0] == metrics[1]
     count, _padded_acc, exact_acc = metrics[0]
     assert count == "22", "Lightning's padded validation set should count one sample twice"
-    reference = float(re.search(r"single-process accuracy over all 21 samples " + NUM, out).group(1))  # type: ignore[union-attr]
+    found = re.search(r"single-process accuracy over all 21 samples " + NUM, out)
+    assert found, out
+    reference = float(found.group(1))
     assert math.isclose(float(exact_acc), reference, rel_tol=1e-6)
 
 

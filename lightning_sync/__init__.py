@@ -6,7 +6,7 @@
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_sync import collectives
-from lightning_sync.callbacks import SeedBroadcast
+from lightning_sync.callbacks import SeedBroadcast, ValidationGather
 from lightning_sync.errors import (
     CollectiveMismatchError,
     LightningSyncError,
@@ -28,6 +28,7 @@ __all__ = [
     "SeedBroadcast",
     "SeedLineage",
     "SyncDDPStrategy",
+    "ValidationGather",
     "collectives",
     "derive_seed",
 ]

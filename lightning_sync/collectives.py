@@ -39,6 +39,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_seed",
     "gather_objects",
+    "gather_uneven",
     "is_distributed",
     "MAX_SEED",
 ]
@@ -51,7 +52,7 @@ MAX_SEED = 2**32 - 1
 _REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
 # Order matters: the index is the wire code. Append only.
 _CALLS = ("all_reduce", "all_gather_uneven", "broadcast_object", "gather_objects", "broadcast_seed",
-          "all_gather_uneven_dict")
+          "all_gather_uneven_dict", "gather_uneven")
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
     torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128, torch.uint16, torch.uint32,
@@ -365,6 +366,69 @@ def _explain_row_mismatch(fn: str, tensors: dict[str, Tensor], problem: str | No
         _raise_if_differs(fn, "device kind" + label, {r: lay[key][2] for r, lay in layouts.items()},
                           "Put the tensors on the same kind of device on every rank.")
     raise AssertionError(f"{fn}: layout checksums differ but no difference was found: {layouts}")
+
+
+def gather_uneven(tensor: Tensor, dst: int = 0, group: dist.ProcessGroup | None = None
+                  ) -> tuple[Tensor | None, list[int]]:
+    """Like :func:`all_gather_uneven`, but only global rank ``dst`` receives the rows.
+
+    All ranks of ``group`` must call it with the same ``dst``; it blocks. The other ranks never
+    allocate the gathered rows, so a large result costs memory on ``dst`` only.
+
+    Args:
+        tensor: at least one dimension; dim 0 is the row dimension (any count, zero included).
+        dst: the global rank that receives the rows.
+        group: the process group; the world by default.
+
+    Returns:
+        ``(rows, counts)`` on ``dst`` (rows as in :func:`all_gather_uneven`), ``(None, counts)`` on the
+        other ranks; every rank gets the per-rank row counts. Not distributed: ``(tensor, [len(tensor)])``.
+
+    Raises:
+        RankMismatchError: ``dst``, dtype, trailing shape or device kind differ across ranks.
+    """
+    if tensor.ndim == 0:
+        raise ValueError("gather_uneven: needs a tensor with a row dimension; got a 0-d tensor. Use tensor.reshape(1).")
+    if not is_distributed(group):
+        return tensor, [tensor.shape[0]]
+    fn = "gather_uneven"
+    device = _comm_device(group, tensor)
+    records = _exchange(_record(fn, arg=dst, tensor=tensor), group, device)
+    ranks = _check_same_call(fn, records, group)
+    _raise_if_differs(fn, "dst", {r: rec[_I_ARG] for r, rec in zip(ranks, records)}, "Pass the same dst on every rank.")
+    if dst not in ranks:
+        raise ValueError(f"gather_uneven: dst={dst} is not a rank of the group (its global ranks: {ranks}).")
+    _raise_if_differs(fn, "dtype", {r: _dtype_name(rec[_I_DTYPE]) for r, rec in zip(ranks, records)},
+                      "Pass the same dtype on every rank (cast before gathering).")
+    if len({(rec[_I_NDIM], _shape_of(rec)[1:]) for rec in records}) > 1:
+        shapes = {r: _describe(rec) for r, rec in zip(ranks, records)}
+        raise RankMismatchError(
+            f"{fn}: trailing shape differs across ranks: {format_ranks(shapes)}. Pass tensors with the same trailing "
+            "shape on every rank (only dim 0 may differ).", shapes)
+    _raise_if_differs(fn, "device kind", {r: _device_name(rec[_I_DEVICE]) for r, rec in zip(ranks, records)},
+                      "Put the tensor on the same kind of device on every rank.")
+    counts = [rec[_I_DIMS] for rec in records]
+    trailing = tuple(tensor.shape[1:])
+    row_bytes = math.prod(trailing) * tensor.element_size()
+    is_dst = dist.get_rank() == dst
+    world, most = len(counts), max(counts)
+    if most == 0 or row_bytes == 0:
+        return (tensor.new_empty((sum(counts), *trailing)) if is_dst else None), counts
+    local = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if counts[dist.get_rank(group)] == most and local.device == device:
+        send = local
+    else:
+        send = torch.zeros(most * row_bytes, dtype=torch.uint8, device=device)
+        send[: local.numel()].copy_(local)
+    out = torch.empty(world, most * row_bytes, dtype=torch.uint8, device=device) if is_dst else None
+    dist.gather(send, list(out.unbind(0)) if out is not None else None, dst=dst, group=group)
+    if out is None:
+        return None, counts
+    flat = out.reshape(-1)
+    if min(counts) != most:  # drop each rank's padding
+        flat = torch.cat([out[r, : counts[r] * row_bytes] for r in range(world)])
+    rows = flat.view(tensor.dtype).reshape(sum(counts), *trailing)
+    return rows.to(tensor.device), counts
 
 
 def _to_bytes(obj: Any) -> Tensor:

@@ -1,5 +1,6 @@
 """Callbacks that bring lightning_sync's guarantees to any strategy, Lightning's own "ddp" included."""
 
+from lightning_sync.callbacks.gather import ValidationGather
 from lightning_sync.callbacks.seed import SeedBroadcast
 
-__all__ = ["SeedBroadcast"]
+__all__ = ["SeedBroadcast", "ValidationGather"]

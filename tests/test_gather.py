@@ -1,0 +1,320 @@
+"""ValidationGather: index bookkeeping (no processes), RowCollector on 2 and 3 gloo ranks, and real
+2-/3-process Lightning runs (fit/validate/test/predict) checked against one-process results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
+
+import lightning_sync as ls
+from lightning_sync import collectives as C
+from lightning_sync.callbacks.gather import _BatchLog, _Recorder
+from lightning_sync.gathering import RowCollector, dedup_by_index
+from tests.distributed import run_ranks
+
+SCRIPT = Path(__file__).parent / "scripts" / "eval_gather.py"
+BIG = 2**53 + 1  # any float32/float64 detour of an int64 index shows
+
+
+def _script_module() -> Any:
+    spec = importlib.util.spec_from_file_location("eval_gather", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------- bookkeeping, no processes
+
+
+def test_dedup_keeps_first_occurrence_in_index_order() -> None:
+    # two ranks of DistributedSampler(5 samples): rank 0 [0, 2, 4], rank 1 [1, 3, 0] (0 is padding)
+    unique, first = dedup_by_index(torch.tensor([0, 2, 4, 1, 3, 0]))
+    assert unique.tolist() == [0, 1, 2, 3, 4] and first.tolist() == [0, 3, 1, 4, 2]
+    # sparse and huge indices take the sort path; int64 stays exact
+    unique, first = dedup_by_index(torch.tensor([BIG, -5, BIG, 7]))
+    assert unique.tolist() == [-5, 7, BIG] and first.tolist() == [1, 3, 0]
+    unique, first = dedup_by_index(torch.tensor([2, 0, 1, 0]))  # dense and complete: the fast path
+    assert unique.tolist() == [0, 1, 2] and first.tolist() == [1, 2, 0]
+    rows, counts = C.gather_uneven(torch.ones(3, 2))  # not distributed: unchanged
+    assert rows is not None and rows.shape == (3, 2) and counts == [3]
+    unique, first = dedup_by_index(torch.empty(0, dtype=torch.int64))
+    assert unique.numel() == 0 and first.numel() == 0
+
+
+def test_collector_one_process_orders_and_dedups() -> None:
+    c = RowCollector()
+    c.add([4, 0], {"x": torch.tensor([[4.0, 4.5], [0.0, 0.5]]), "y": torch.tensor([40, 0])}, {"s": ["d", "a"]})
+    c.add(torch.tensor([2, 4]), {"x": torch.tensor([[2.0, 2.5], [9.0, 9.0]]), "y": torch.tensor([20, 99])},
+          {"s": ["c", "dup"]})
+    out = c.gather()
+    assert out is not None and len(c) == 0
+    assert out["index"].dtype == torch.int64 and out["index"].tolist() == [0, 2, 4]
+    assert out["x"].tolist() == [[0.0, 0.5], [2.0, 2.5], [4.0, 4.5]]
+    assert out["y"].dtype == torch.int64 and out["y"].tolist() == [0, 20, 40]
+    assert out["s"] == ["a", "c", "d"]  # the first occurrence of 4 wins
+
+
+def test_collector_rejects_bad_batches() -> None:
+    c = RowCollector()
+    with pytest.raises(ValueError, match=r"'x' has shape \(3,\) but the batch has 2 samples"):
+        c.add([0, 1], {"x": torch.zeros(3)})
+    with pytest.raises(ValueError, match="list of 1 items but the batch has 2"):
+        c.add([0, 1], objects={"s": ["a"]})
+    c.add([0, 1], {"x": torch.zeros(2, 3)})
+    with pytest.raises(ValueError, match=r"pad ragged rows to a fixed length"):
+        c.add([2, 3], {"x": torch.zeros(2, 4)})
+
+
+def test_callback_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="stages must be"):
+        ls.ValidationGather(stages=["fit"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="pass a list of keys"):
+        ls.ValidationGather(keys="preds")
+    with pytest.raises(TypeError, match="torchmetrics.Metric"):
+        ls.ValidationGather(metrics={"acc": 0.5})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_recorder_queue_matches_batches_with_prefetch(workers: int) -> None:
+    """Indices come from the batch sampler in the main process, in order, even with workers prefetching."""
+    data = list(range(23))
+    loaders = [DataLoader(data, batch_size=4, num_workers=workers, sampler=DistributedSampler(data, 2, 1, seed=1)),
+               DataLoader(data, batch_sampler=_IndexBatchSamplerWrapper(BatchSampler(SequentialSampler(data), 5, True)))]
+    recorder = _Recorder()
+    for loader in loaders:
+        before = type(loader.batch_sampler)
+        recorder.install(loader)
+        log = recorder.lookup(loader)
+        assert isinstance(log, _BatchLog) and isinstance(loader.batch_sampler, before)
+        for _ in range(2):  # a second pass (epoch) starts a fresh queue
+            for batch in loader:
+                assert log.pop() == batch.tolist()  # the dataset returns its index
+            assert log.pop() is None
+    recorder.uninstall()
+    assert type(loaders[0].batch_sampler) is BatchSampler
+    assert type(loaders[1].batch_sampler) is _IndexBatchSamplerWrapper
+    assert loaders[1].batch_sampler.seen_batch_indices  # Lightning's own recording still works
+
+
+# ---------------------------------------------------------------- RowCollector on real gloo ranks
+
+
+def _rank_rows(rank: int, world: int, n: int, big: bool) -> tuple[list[int], torch.Tensor]:
+    """DistributedSampler-like shard with padding: rank r gets r, r+world, ... wrapped around to world*ceil(n/world)."""
+    total = -(-n // world) * world
+    idx = [(i % n) for i in range(rank, total, world)]
+    if big:
+        idx = [BIG + 3 * i for i in idx]
+    return idx, torch.tensor(idx, dtype=torch.float64)
+
+
+def _collect(rank: int, world: int, n: int, dst: int | None, big: bool) -> dict[str, Any] | None:
+    idx, value = _rank_rows(rank, world, n, big)
+    c = RowCollector()
+    for start in range(0, len(idx), 4):  # batches of 4
+        sl = slice(start, start + 4)
+        b = idx[sl]
+        c.add(b, {"v": value[sl].reshape(-1, 1).repeat(1, 3), "flag": torch.tensor([i % 2 == 0 for i in b])},
+              {"name": [f"s{i}" for i in b], "ragged": [torch.arange(i % 4) for i in b]})
+    out = c.gather(dst=dst)
+    return None if out is None else {k: (v.tolist() if isinstance(v, torch.Tensor) else
+                                          [x.tolist() if isinstance(x, torch.Tensor) else x for x in v])
+                                      for k, v in out.items()}
+
+
+CONFIGS = ((7, None, False), (1001, None, False), (2, None, False), (11, None, True), (7, -1, False), (11, -1, True))
+MISMATCH = {
+    "keys": r"RankMismatchError: .*rank 0 \{p: \(\) float32\}, rank 1 \{extra: \(\) float32, p: \(\) float32\}",
+    "shape": r"RankMismatchError: .*rank 0 \{p: \(2,\) float32\}, rank 1 \{p: \(3,\) float32\}",
+    "bad_batch": r"ValueError: .*rank 1: key 'p' has shape",
+    "empty_rank": r"ok \[0(, 2)?\] torch.Size\(\[\d, 2\]\) \['0'(, '2')?\]",
+}
+
+
+def _mismatch(rank: int, world: int, case: str) -> str:
+    c = RowCollector()
+    if case == "keys":
+        c.add([rank], {"p": torch.zeros(1)} if rank == 0 else {"p": torch.zeros(1), "extra": torch.zeros(1)})
+    elif case == "shape":
+        c.add([rank], {"p": torch.zeros(1, 2 + rank)})
+    elif case == "bad_batch":
+        if rank == 1:
+            c.fail("key 'p' has shape (3,) but the batch has 2 samples")
+        else:
+            c.add([0], {"p": torch.zeros(1)})
+    elif case == "empty_rank":  # not a mismatch: a rank with no batch adopts the others' layout
+        if rank != 1:
+            c.add([rank], {"p": torch.full((1, 2), float(rank))}, {"s": [str(rank)]})
+        out = c.gather()
+        assert out is not None
+        return f"ok {out['index'].tolist()} {out['p'].shape} {out['s']}"
+    start = time.monotonic()
+    try:
+        c.gather()
+    except (ls.RankMismatchError, ValueError) as err:
+        assert time.monotonic() - start < 10
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def _all_collector_cases(rank: int, world: int) -> dict[str, Any]:
+    """Everything in one group launch (each costs seconds on a loaded machine): the group stays
+    usable after a mismatch because every rank raises after the same collectives."""
+    out: dict[str, Any] = {}
+    for n, dst, big in CONFIGS:
+        out[f"rows {n} {dst} {big}"] = _collect(rank, world, n, None if dst is None else world + dst, big)
+    for case in MISMATCH:
+        out[case] = _mismatch(rank, world, case)
+    rows, counts = C.gather_uneven(torch.full((rank, 2), BIG + rank, dtype=torch.int64), dst=1)
+    out["gather_uneven"] = (None if rows is None else rows.tolist(), counts)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collector_on_real_ranks(world: int) -> None:
+    """Exactly once, in index order, int64 exact, objects aligned; mismatches raise on every rank within seconds."""
+    results = run_ranks(_all_collector_cases, world, timeout=240)
+    for rank, res in enumerate(results):
+        for n, dst, big in CONFIGS:
+            out = res[f"rows {n} {dst} {big}"]
+            if dst is not None and rank != world + dst:
+                assert out is None
+                continue
+            want = [BIG + 3 * i for i in range(n)] if big else list(range(n))
+            assert out["index"] == want, (n, big, dst)
+            assert [row[0] for row in out["v"]] == [float(i) for i in want]
+            assert out["flag"] == [i % 2 == 0 for i in want]
+            assert out["name"] == [f"s{i}" for i in want]
+            assert out["ragged"] == [list(range(i % 4)) for i in want]
+        for case, expected in MISMATCH.items():
+            assert re.search(expected, res[case]), f"rank {rank} {case}: {res[case]}"
+        counts = list(range(world))
+        want_rows = [[BIG + r] * 2 for r in range(world) for _ in range(r)]
+        assert res["gather_uneven"] == ((want_rows if rank == 1 else None), counts)
+
+
+# ---------------------------------------------------------------- real Lightning runs
+
+
+def launch(out: Path, *args: str, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPT), "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=timeout + 20)
+    if check:
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def reports(out: Path, phase: str, world: int) -> list[dict[str, Any]]:
+    return [json.loads((out / f"{phase}.rank{r}.json").read_text()) for r in range(world)]
+
+
+def reference(weights: list[float], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process, whole data set: the predictions and targets DDP evaluation must reproduce."""
+    mod = _script_module()
+    data = mod.Points(n)
+    x = torch.stack([data[i][0] for i in range(n)])
+    y = torch.stack([data[i][1] for i in range(n)])
+    w = torch.tensor(weights)
+    return torch.sigmoid(x @ w[:-1] + w[-1]), y
+
+
+def check_gathered(out: dict[str, Any], indices: list[int], weights: list[float], n: int) -> None:
+    mod = _script_module()
+    assert out["index"] == indices
+    preds, target = reference(weights, n)
+    torch.testing.assert_close(torch.tensor(out["preds"]), preds[indices], rtol=1e-5, atol=1e-6)
+    assert out["target"] == target[indices].tolist()
+    assert out["names"] == [f"s{i}" for i in indices]
+    assert out["tokens"] == [mod.tokens(i).tolist() for i in indices]
+
+
+def exact_metrics(weights: list[float], n: int, indices: list[int] | None = None) -> tuple[float, float]:
+    from sklearn.metrics import accuracy_score, roc_auc_score
+
+    preds, target = reference(weights, n)
+    if indices is not None:
+        preds, target = preds[indices], target[indices]
+    return (float(accuracy_score(target.numpy(), (preds > 0.5).numpy())),
+            float(roc_auc_score(target.numpy(), preds.numpy())) if 0 < int(target.sum()) < len(target) else float("nan"))
+
+
+@pytest.mark.slow
+def test_fit_validate_test_predict_exact_on_two_ranks(tmp_path: Path) -> None:
+    start = time.monotonic()
+    launch(tmp_path)
+    print(f"launch took {time.monotonic() - start:.1f} s")
+    r0, r1 = reports(tmp_path, "all", 2)
+    for rep in (r0, r1):
+        fit, val, test, pred = rep["fit"], rep["validate"], rep["test"], rep["predict"]
+        # fit: Lightning's injected DistributedSampler, 1001 and 7 samples, batch 4
+        check_gathered(fit["gathered"]["0"], list(range(1001)), fit["weights"], 1001)
+        check_gathered(fit["gathered"]["1"], list(range(7)), fit["weights"], 7)
+        for dl, n in (("0", 1001), ("1", 7)):
+            acc, auroc = exact_metrics(fit["weights"], n)
+            logged = fit["callback_metrics"]
+            assert logged[f"val_acc/dataloader_idx_{dl}"] == pytest.approx(acc, abs=1e-6)
+            assert logged[f"val_auroc/dataloader_idx_{dl}"] == pytest.approx(auroc, abs=1e-5)
+            # the trap: Lightning's sync_dist mean over the padded set is not the data set's accuracy
+            assert abs(logged[f"val_acc_sync_dist/dataloader_idx_{dl}"] - acc) > 1e-4
+        assert fit["best_score"] == pytest.approx(fit["callback_metrics"]["val_acc/dataloader_idx_0"])
+        # validate: the user's DistributedSampler, shuffled, 2 workers; and drop_last=True
+        check_gathered(val["gathered"]["0"], list(range(1001)), val["weights"], 1001)
+        kept = sorted(i for r in range(2) for i in DistributedSampler(range(7), 2, r, shuffle=False, drop_last=True))
+        assert kept == [0, 1, 2, 3, 4, 5]  # what the samplers yield: the set ValidationGather returns
+        check_gathered(val["gathered"]["1"], kept, val["weights"], 7)
+        acc, auroc = exact_metrics(val["weights"], 7, kept)
+        assert val["callback_metrics"]["val_acc/dataloader_idx_1"] == pytest.approx(acc, abs=1e-6)
+        # test: 3 samples < world x batch; a rank with zero samples
+        check_gathered(test["gathered"]["0"], [0, 1, 2], val["weights"], 3)
+        check_gathered(test["gathered"]["1"], list(range(5)), val["weights"], 5)
+        assert test["callback_metrics"]["test_acc/dataloader_idx_1"] == pytest.approx(
+            exact_metrics(val["weights"], 5)[0], abs=1e-6)
+        # predict: custom sampler (DistributedSamplerWrapper) and a custom batch sampler
+        check_gathered(pred["gathered"]["0"], list(range(1001)), val["weights"], 1001)
+        check_gathered(pred["gathered"]["1"], list(range(11)), val["weights"], 11)
+        acc, auroc = exact_metrics(val["weights"], 1001)
+        assert pred["metrics"]["predict_acc/dataloader_idx_0"] == pytest.approx(acc, abs=1e-6)
+        assert pred["metrics"]["predict_auroc/dataloader_idx_0"] == pytest.approx(auroc, abs=1e-5)
+    # rank_zero_only: rank 0 holds the rows, rank 1 nothing
+    assert r0["validate"]["rank0"]["0"]["index"] == list(range(1001))
+    assert set(r0["validate"]["rank0"]["0"]) == {"index", "preds", "names"}
+    assert r1["validate"]["rank0"] == {}
+    assert r0["fit"]["callback_metrics"] == r1["fit"]["callback_metrics"]
+    assert ("predict", 1, 11) in map(tuple, r1["hook_calls"]) and ("test", 1, 5) in map(tuple, r1["hook_calls"])
+
+
+@pytest.mark.slow
+def test_lightning_ddp_on_three_ranks(tmp_path: Path) -> None:
+    launch(tmp_path, "--strategy", "ddp", "--devices", "3", "--phase", "small")
+    for rep in reports(tmp_path, "small", 3):
+        w = rep["validate"]["weights"]
+        check_gathered(rep["validate"]["gathered"]["0"], list(range(1001)), w, 1001)
+        kept = sorted(i for r in range(3) for i in DistributedSampler(range(7), 3, r, shuffle=False, drop_last=True))
+        check_gathered(rep["validate"]["gathered"]["1"], kept, w, 7)
+        check_gathered(rep["test"]["gathered"]["0"], [0, 1, 2], w, 3)
+        check_gathered(rep["test"]["gathered"]["1"], list(range(5)), w, 5)
+        acc, auroc = exact_metrics(w, 1001)
+        assert rep["validate"]["callback_metrics"]["val_auroc/dataloader_idx_0"] == pytest.approx(auroc, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_mismatched_outputs_raise_on_every_rank(tmp_path: Path) -> None:
+    start = time.monotonic()
+    launch(tmp_path, "--phase", "mismatch", timeout=120)
+    assert time.monotonic() - start < 100
+    for rep in reports(tmp_path, "mismatch", 2):
+        assert rep["error"] is not None and "rank 0 {preds: () float32" in rep["error"] and "extra: () float32" in rep["error"]
+        assert rep["seconds"] < 30

@@ -1,9 +1,14 @@
-"""Every recipe in recipes/ runs on 2 CPU processes, shrunk by its arguments, and shows what it claims.
+"""Every recipe in recipes/ runs in the suite and shows what it claims.
 
-Each test launches the recipe exactly as its docstring says (Lightning's launcher or torchrun), under
-`timeout -k 5`, then re-derives the property from the per-rank lines the recipe prints instead of
-trusting the recipe's own verdict (the averaged loss against each rank's loss, the digests of
-every rank, the shards of every rank).
+The sync recipes (recipes/*.py) run on 2 CPU processes, shrunk by their arguments: each test launches
+the recipe exactly as its docstring says (Lightning's launcher or torchrun), under `timeout -k 5`,
+then re-derives the property from the per-rank lines the recipe prints instead of trusting the
+recipe's own verdict (the averaged loss against each rank's loss, the digests of every rank, the
+shards of every rank).
+
+The launch recipes (recipes/launch_*) run on the two-node test cluster with lsync-doctor as the
+payload (marked `cluster`: root and network namespaces). Point SCRIPT at the training job instead of
+the doctor to test training launches the same way.
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ from pathlib import Path
 import pytest
 
 import lightning_sync as ls
+from tests.cluster import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 TIMEOUT = 300  # generous: the CI machine is shared; a healthy run takes 5-30 s
+
+DOCTOR = {"SCRIPT": "python -m lightning_sync.doctor"}
 
 #: recipe file -> the test that runs it (tests/test_docs.py uses this to accept commands in the docs).
 RUNS: dict[str, str] = {
@@ -225,3 +233,49 @@ def test_init_process_group_env_and_file_rendezvous(tmp_path: Path) -> None:
         reports = per_rank(rf"rank (\d)/2 backend (gloo|nccl) init {init}:// all_reduce sum {NUM} expected {NUM}", out)
         assert all(r == ("gloo", "3.0", "3.0") for r in reports.values()), reports
         per_rank(r"rank (\d) clean teardown", out)
+
+
+# ------------------------------------------------------------------ launch recipes (two-node test cluster)
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_recipes_open_with_their_commands() -> None:
+    for recipe in sorted(RECIPES.glob("launch_*")):
+        head = recipe.read_text().splitlines()[:12]
+        assert any(f"recipes/{recipe.name}" in line for line in head), f"{recipe.name}: no launch command up top"
+        assert "set -euo pipefail" in recipe.read_text()
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_torchrun_single_node(cluster: Cluster) -> None:
+    out = cluster.run("n0", "bash", str(RECIPES / "launch_torchrun_single_node.sh"), "--timeout", "30",
+                      env={**DOCTOR, "NPROC": "2"}, timeout=120)
+    assert out.returncode == 0, out.stdout
+    assert "launcher torchrun, 2 rank(s) on 1 node(s)" in out.stdout and "OK: 2 rank(s)" in out.stdout
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_torchrun_multinode(cluster: Cluster, rdzv: str) -> None:
+    port = "29560" if rdzv == "static" else "29570"
+    procs = [cluster.start(node, "bash", str(RECIPES / "launch_torchrun_multinode.sh"), "--timeout", "30",
+                           env={**DOCTOR, "NNODES": "2", "NODE_RANK": str(rank), "MASTER_ADDR": "10.200.0.1",
+                                "MASTER_PORT": port, "RDZV": rdzv, "RDZV_ID": f"recipe-{rdzv}"}, timeout=120)
+             for rank, node in enumerate(("n0", "n1"))]
+    results = cluster.wait(procs, timeout=135)
+    assert all(r.returncode == 0 for r in results), results[0].stdout + results[1].stdout
+    [head] = [r.stdout for r in results if "launcher torchrun, 4 rank(s) on 2 node(s)" in r.stdout]  # rank 0's node
+    assert "OK: 4 rank(s) joined a gloo group" in head
+    assert "veth-ls0 10.200.0.1" in head and "veth-ls1 10.200.0.2" in head  # each node's own interface
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_slurm_sbatch(cluster: Cluster) -> None:
+    job = cluster.sbatch(RECIPES / "launch_slurm.sbatch", "--timeout", "30", env=DOCTOR, timeout=150)
+    assert job.exit_code == 0, job.output
+    assert "2 node(s) x 2 task(s), MASTER_ADDR=n0" in job.output
+    assert "launcher slurm, 4 rank(s) on 2 node(s)" in job.output and "OK: 4 rank(s)" in job.output

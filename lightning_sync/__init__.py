@@ -6,7 +6,8 @@
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_sync import collectives
-from lightning_sync.callbacks import SeedBroadcast, ValidationGather
+from lightning_sync.batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_sync.callbacks import PortableSyncBatchNorm, SeedBroadcast, SyncBatchNormConversion, ValidationGather
 from lightning_sync.errors import (
     CollectiveMismatchError,
     LightningSyncError,
@@ -24,11 +25,16 @@ __all__ = [
     "CollectiveMismatchError",
     "LightningSyncError",
     "ParameterDivergenceError",
+    "PortableSyncBatchNorm",
     "RankMismatchError",
     "SeedBroadcast",
     "SeedLineage",
+    "SyncBatchNorm",
+    "SyncBatchNormConversion",
     "SyncDDPStrategy",
     "ValidationGather",
     "collectives",
+    "convert_sync_batchnorm",
     "derive_seed",
+    "revert_sync_batchnorm",
 ]

@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.collectives import MAX_SEED
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
 
@@ -74,6 +75,8 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        # sync_batchnorm=True built torch's SyncBatchNorm conversion (CUDA only); use the portable one.
+        self._layer_sync = portable_layer_sync(self._layer_sync)
         super().setup(trainer)
         assert self._lineage is not None
         # Model set-up (configure_model, DDP's broadcast) is done: from here on each rank draws its own

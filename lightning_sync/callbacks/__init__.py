@@ -1,6 +1,7 @@
 """Callbacks that bring lightning_sync's guarantees to any strategy, Lightning's own "ddp" included."""
 
+from lightning_sync.callbacks.batchnorm import PortableSyncBatchNorm, SyncBatchNormConversion
 from lightning_sync.callbacks.gather import ValidationGather
 from lightning_sync.callbacks.seed import SeedBroadcast
 
-__all__ = ["SeedBroadcast", "ValidationGather"]
+__all__ = ["PortableSyncBatchNorm", "SeedBroadcast", "SyncBatchNormConversion", "ValidationGather"]

@@ -51,7 +51,7 @@ class Model(L.LightningModule):
         except ls.CollectiveMismatchError as err:  # raised on every rank, so they are in step again
             print(f"rank {self.global_rank} caught CollectiveMismatchError: {err}", flush=True)
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
         self.last_loss = loss.item()
         return loss
@@ -70,7 +70,7 @@ class Model(L.LightningModule):
     def on_train_end(self) -> None:
         print(f"rank {self.global_rank} stopped after {self.epochs_run} epochs", flush=True)
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 

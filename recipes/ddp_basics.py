@@ -13,6 +13,7 @@ again multiplies the weights by the world size (sum) or just burns a collective 
 
 import argparse
 import hashlib
+from collections.abc import Iterable
 
 import lightning as L
 import torch
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_sync as ls
 
 
-def digest(tensors) -> str:
+def digest(tensors: Iterable[torch.Tensor]) -> str:
     flat = torch.cat([t.detach().flatten().cpu() for t in tensors])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:12]
 
@@ -32,7 +33,7 @@ class Regressor(L.LightningModule):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         if batch_idx == 0:  # different data on every rank: the local losses differ
@@ -51,7 +52,7 @@ class Regressor(L.LightningModule):
         if self.global_rank == 0:
             print(f"parameters identical across {len(digests)} ranks: {len(set(digests)) == 1}", flush=True)
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 

@@ -28,7 +28,7 @@ class Classifier(L.LightningModule):
         super().__init__()
         self.net = nn.Linear(8, 3)
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         x, y = batch
         preds = self.net(x).argmax(dim=1)
         # The padded way, for comparison: each rank's mean, then the mean of those, over a padded set.

@@ -28,7 +28,7 @@ class Classifier(L.LightningModule):
         super().__init__()
         self.net = nn.Linear(8, 4)
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y, ignore_index=-100)  # mean over valid labels
         n = (y != -100).sum().to(loss.dtype)
@@ -53,7 +53,7 @@ class Classifier(L.LightningModule):
                   f"weighted {weighted.item()!r} (checked against {len(per_rank)} per-rank values)", flush=True)
         return loss
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 

@@ -50,7 +50,7 @@ class Model(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
         self.init = digest(torch.cat([p.flatten() for p in self.net.parameters()]))
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         idx, x = batch
         self.seen += idx.tolist()
         dropped = self.net[1](self.net[0](x))
@@ -72,7 +72,7 @@ class Model(L.LightningModule):
                   f"shards disjoint and complete every epoch: {disjoint}\n"
                   f"dropout masks differ: {len({r[2] for r in every}) == len(every)}", flush=True)
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 

@@ -31,7 +31,7 @@ class Model(L.LightningModule):
         self.net = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 1))  # BN first: it sees the raw inputs
         self.expected: list[torch.Tensor] | None = None
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         x = x + 10.0 * self.global_rank  # every rank's batch comes from a different distribution
         # The reference, computed independently: EMA (momentum 0.1) of the union's mean and unbiased var.
@@ -53,7 +53,7 @@ class Model(L.LightningModule):
             same = all(torch.equal(every[0], s) for s in every)
             print(f"running statistics identical across {len(every)} ranks: {same}", flush=True)
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 

@@ -52,6 +52,7 @@ COVERED: list[Covered] = [
     Covered(r"bash scripts/test\.sh( .*)?", ".ci/run", "scripts/test.sh"),
     Covered(r"\.venv/bin/python -m pytest( .*)?", "scripts/test.sh", '"$VENV/bin/python" -m pytest'),
     Covered(r"bash scripts/bootstrap\.sh", "scripts/test.sh", "bash scripts/bootstrap.sh"),
+    Covered(r"bash scripts/train\.sh( .*)?", "tests/test_docs.py::test_train_script_runs_the_main_job"),
     Covered(r"pip install (\.|\"\.\[[\w,]+\]\")", "scripts/bootstrap.sh", '-e ".[test,recipes]"'),
     Covered(r"(\.venv/bin/)?python docs/gen_api\.py( --check)?",
             "tests/test_docs.py::test_api_reference_is_up_to_date"),
@@ -237,6 +238,19 @@ def test_guide_and_readme_quick_reference_tables_agree() -> None:
     readme = ROOT / "README.md"
     if readme.exists() and "| scenario | what syncs it |" in readme.read_text():  # pasted: keep it in step
         assert _table(readme)[: len(quickref)] == quickref, "README.md's table differs from docs/README_quickref.md"
+
+
+@pytest.mark.slow
+def test_train_script_runs_the_main_job(tmp_path: Path) -> None:
+    """README's `bash scripts/train.sh [overrides]`, as written, shrunk to 1 epoch of 2 batches."""
+    run = tmp_path / "run"
+    tiny = ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "callbacks=none",
+            "trainer.enable_checkpointing=false", f"hydra.run.dir={run}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["timeout", "-k", "5", str(BLOCK_TIMEOUT), "bash", str(ROOT / "scripts" / "train.sh"), *tiny],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT + 30)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "lsync-train: root seed" in proc.stdout and (run / "summary.json").exists(), proc.stdout[-3000:]
 
 
 def test_api_reference_is_up_to_date() -> None:

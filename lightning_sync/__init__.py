@@ -7,13 +7,20 @@ from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_sync import collectives
 from lightning_sync.batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
-from lightning_sync.callbacks import PortableSyncBatchNorm, SeedBroadcast, SyncBatchNormConversion, ValidationGather
+from lightning_sync.callbacks import (
+    ParameterConsistencyCheck,
+    PortableSyncBatchNorm,
+    SeedBroadcast,
+    SyncBatchNormConversion,
+    ValidationGather,
+)
 from lightning_sync.errors import (
     CollectiveMismatchError,
     LightningSyncError,
     ParameterDivergenceError,
     RankMismatchError,
 )
+from lightning_sync.guard import CollectiveGuard
 from lightning_sync.seeding import SeedLineage, derive_seed
 from lightning_sync.strategy import SyncDDPStrategy, register as _register
 
@@ -22,8 +29,10 @@ _register(_StrategyRegistry)
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveGuard",
     "CollectiveMismatchError",
     "LightningSyncError",
+    "ParameterConsistencyCheck",
     "ParameterDivergenceError",
     "PortableSyncBatchNorm",
     "RankMismatchError",

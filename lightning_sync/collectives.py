@@ -128,8 +128,17 @@ def _record(call: str, *, arg: int = _NONE, tensor: Tensor | None = None, payloa
     return rec
 
 
+#: Set by :mod:`lightning_sync.guard` while a collective guard is active: called with the collective's
+#: name and group before its metadata exchange, so a rank that entered a different collective, or none,
+#: is reported (with call sites) instead of hanging here. Shapes and arguments are still checked below,
+#: with the more specific RankMismatchError.
+_guard_hook: Any = None
+
+
 def _exchange(record: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
     """All-gather one fixed-size record per rank. Same size everywhere, so it can never abort gloo."""
+    if _guard_hook is not None:
+        _guard_hook(_CALLS[record[_I_CALL]], group)
     world = dist.get_world_size(group)
     mine = torch.tensor(record, dtype=torch.int64, device=device)
     out = torch.empty(world * _META_LEN, dtype=torch.int64, device=device)

@@ -15,10 +15,12 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.collectives import MAX_SEED
+from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
 
 __all__ = ["SyncDDPStrategy"]
@@ -34,6 +36,14 @@ class SyncDDPStrategy(DDPStrategy):
     Args:
         seed: the root seed (rank 0's value wins). ``None``: rank 0's ``seed_everything`` seed if
             it called one, else a fresh seed from OS entropy on rank 0; either way it is broadcast.
+        guard: check every collective across ranks before it runs, and the classic DDP mistakes
+            (see ``docs/guard.md``). ``False`` turns it off; a :class:`~lightning_sync.CollectiveGuard`
+            sets its options.
+        guard_timeout: seconds a rank waits for the others to reach the same collective before
+            raising ``CollectiveMismatchError`` (default 120; overrides the guard object's value).
+        uneven_batches: what to do when ranks have different numbers of training batches (a rank
+            with more would hang in DDP's all-reduce): ``"error"`` raises at epoch start;
+            ``"stop_together"`` ends every rank's epoch when the shortest rank runs out.
 
     After set-up, ``trainer.strategy.seed`` is the root seed, identical on every rank. Samplers use
     it (disjoint, complete shards), model initialisation runs under it (identical replicas), then
@@ -43,13 +53,21 @@ class SyncDDPStrategy(DDPStrategy):
 
     strategy_name = "ddp_sync"
 
-    def __init__(self, *args: Any, seed: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, seed: int | None = None, guard: bool | CollectiveGuard = True,
+                 guard_timeout: float | None = None, uneven_batches: str = "error", **kwargs: Any) -> None:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"SyncDDPStrategy(seed=...) must be an int or None; got {type(seed).__name__} {seed!r}.")
         if seed is not None and not 0 <= seed <= MAX_SEED:
             raise ValueError(f"SyncDDPStrategy(seed={seed}): the seed must be in [0, {MAX_SEED}].")
+        if uneven_batches not in ("error", "stop_together"):
+            raise ValueError(f"SyncDDPStrategy(uneven_batches={uneven_batches!r}): use 'error' or 'stop_together'.")
         super().__init__(*args, **kwargs)
         self._seed_arg = seed
+        self._guard: CollectiveGuard | None = (
+            guard if isinstance(guard, CollectiveGuard) else CollectiveGuard() if guard else None)
+        if self._guard is not None and guard_timeout is not None:
+            self._guard.timeout = self._guard.hang_timeout = CollectiveGuard(timeout=guard_timeout).timeout
+        self.uneven_batches = uneven_batches
         self._lineage: SeedLineage | None = None
         self._pending_checkpoint_state: dict[str, Any] | None = None
         self._failed = False
@@ -66,9 +84,18 @@ class SyncDDPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ set-up
 
+    @property
+    def guard(self) -> CollectiveGuard | None:
+        """The collective guard (``None`` when turned off)."""
+        return self._guard
+
     @override
     def setup_distributed(self) -> None:
+        if self._guard is not None and self._get_process_group_backend() == "nccl":
+            configure_nccl_flight_recorder()  # read by NCCL at process-group creation: set it first
         super().setup_distributed()
+        if self._guard is not None:
+            self._guard.install(context=lambda: getattr(self._lightning_module, "_current_fx_name", None))
         self._failed = False
         self._lineage = SeedLineage.agree(self._seed_arg)
         rank_zero_info(self._lineage.describe())
@@ -84,6 +111,32 @@ class SyncDDPStrategy(DDPStrategy):
         self._lineage.load_checkpoint_state(self._pending_checkpoint_state, self.global_rank)
         self._pending_checkpoint_state = None
         self._lineage.seed_rank_streams(self.global_rank)
+        if self._guard is not None:
+            from lightning_sync.callbacks.consistency import GuardChecks
+
+            if not any(isinstance(cb, GuardChecks) for cb in trainer.callbacks):
+                trainer.callbacks.append(GuardChecks(self.uneven_batches))
+
+    @override
+    def configure_ddp(self) -> None:
+        assert self.model is not None
+        if self._guard is not None:
+            from lightning_sync.callbacks.consistency import warn_if_initial_parameters_differ
+
+            warn_if_initial_parameters_differ(self.model)  # DDP is about to overwrite them with rank 0's
+        super().configure_ddp()
+        if self._guard is not None and self.model is not None:
+            self._guard.watch_module(self.model)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # One guarded check for Lightning's barrier + all_reduce pair (self.log(sync_dist=True)).
+        if self._guard is None or not isinstance(tensor, Tensor):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        op = reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1].lower()
+        match = f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(map(str, tensor.shape))}] op={op}"
+        with self._guard.guarded("strategy.reduce", match, group):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -108,6 +161,16 @@ class SyncDDPStrategy(DDPStrategy):
         self._pending_checkpoint_state = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method == "popen":  # under Hydra: ranks replay only their job (launcher.py)
+            from lightning_sync.launcher import HydraDDPLauncher, hydra_active
+
+            if hydra_active():
+                assert self.cluster_environment is not None
+                self._launcher = HydraDDPLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
     # ------------------------------------------------------------------ teardown
 
     @override
@@ -123,8 +186,12 @@ class SyncDDPStrategy(DDPStrategy):
         # active exception") after a successful run.
         gc.collect()
         if dist.is_available() and dist.is_initialized():
-            if not self._failed:
-                dist.barrier()  # nobody destroys the group while a peer still uses it
+            try:
+                if not self._failed:
+                    dist.barrier()  # nobody destroys the group while a peer still uses it
+            finally:
+                if self._guard is not None:
+                    self._guard.uninstall()
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------ registry

@@ -1,0 +1,256 @@
+"""No silent drift: replicas, data sharding, batch counts and logged keys checked across ranks.
+
+* :class:`ParameterConsistencyCheck` (public): every ``every_n_steps`` optimizer steps, compares
+  parameter, buffer (and optionally optimizer-state) checksums across ranks with one small gather.
+* :class:`GuardChecks`: added by ``strategy="ddp_sync"`` while its guard is on; checks the
+  training sampler, per-rank batch counts and the set of logged keys.
+* :func:`warn_if_initial_parameters_differ`: called by the strategy just before the DDP wrap.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils.data import DistributedSampler
+
+from lightning_sync import collectives
+from lightning_sync.errors import ParameterDivergenceError, RankMismatchError, format_ranks
+from lightning_sync.guard import parameter_checksums
+
+__all__ = ["GuardChecks", "ParameterConsistencyCheck", "check_replicas", "warn_if_initial_parameters_differ"]
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    return getattr(module, "module", module)
+
+
+def _ddp_synced_buffers(module: torch.nn.Module) -> set[str]:
+    """Buffers DDP overwrites with rank 0's before every forward: they may differ in between."""
+    if not isinstance(module, torch.nn.parallel.DistributedDataParallel) or not module.broadcast_buffers:
+        return set()
+    ignored = set(getattr(module.module, "_ddp_params_and_buffers_to_ignore", ()))
+    return {name for name, _ in module.module.named_buffers() if name not in ignored}
+
+
+def check_replicas(module: torch.nn.Module, buffers: bool = True, optimizer: torch.optim.Optimizer | None = None,
+                   where: str = "") -> None:
+    """Raise :class:`~lightning_sync.ParameterDivergenceError` unless every rank holds the same values.
+
+    All ranks must call it; it blocks for one gather of one float64 checksum per tensor.
+    Buffers that DDP broadcasts before every forward (``broadcast_buffers=True``) are skipped: they
+    legitimately differ between forwards (BatchNorm statistics of each rank's batch).
+
+    Args:
+        module: the model, DDP-wrapped or not.
+        buffers: compare buffers too.
+        optimizer: also compare its state tensors (momentum, Adam moments).
+        where: shown in the error (e.g. ``"after step 40"``).
+    """
+    if not collectives.is_distributed():
+        return
+    skip = _ddp_synced_buffers(module)
+    named = list(parameter_checksums(_unwrap(module), buffers=buffers, skip=skip))
+    if optimizer is not None:
+        for i, state in enumerate(optimizer.state.values()):
+            for key, value in sorted(state.items()):
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    flat = value.detach().reshape(-1).double()
+                    named.append((f"optimizer.state[{i}].{key}", float(flat.sum())))
+    gathered = collectives.gather_objects([(name, value) for name, value in named])
+    assert gathered is not None
+    names = [[n for n, _ in rank_items] for rank_items in gathered]
+    if any(n != names[0] for n in names):
+        raise RankMismatchError(f"check_replicas: ranks hold different sets of tensors: "
+                                f"{format_ranks({r: len(n) for r, n in enumerate(names)})} tensors. Build the same "
+                                "model on every rank.", {r: len(n) for r, n in enumerate(names)})
+    for i, name in enumerate(names[0]):
+        values = {r: items[i][1] for r, items in enumerate(gathered)}
+        if len(set(values.values())) > 1 and not all(math.isnan(v) for v in values.values()):
+            ignored = set(getattr(_unwrap(module), "_ddp_params_and_buffers_to_ignore", ()))
+            hint = ("it is listed in _ddp_params_and_buffers_to_ignore, so DDP never syncs it: synchronise it by "
+                    "hand or stop excluding it" if name in ignored else
+                    "a buffer is updated on some ranks only, or DDP runs with broadcast_buffers=False" if
+                    name in dict(_unwrap(module).named_buffers()) else
+                    "optimizer state is per rank: a rank-dependent step or a restored state on one rank only"
+                    if name.startswith("optimizer.") else
+                    "look for a parameter update outside the optimizer step on some ranks, a parameter DDP does not "
+                    "manage (frozen, excluded, or created after the wrap), or find_unused_parameters issues")
+            raise ParameterDivergenceError(
+                f"model replicas diverged{' ' + where if where else ''}: {name!r} has checksum "
+                f"{format_ranks({r: f'{v:.17g}' for r, v in values.items()})}; {hint}. Every rank must apply the "
+                "same updates to every parameter and buffer.", name, values)
+
+
+def warn_if_initial_parameters_differ(module: torch.nn.Module) -> bool:
+    """Before the DDP wrap: warn (on rank 0) when ranks built different initial parameters.
+
+    All ranks must call it. DDP will overwrite every rank's parameters with rank 0's, so training is
+    not affected, but differing initial values mean the ranks' random seeds differ when the model
+    is built, which also breaks anything else that should be identical (data order, masks).
+
+    Returns:
+        True when the parameters differ.
+    """
+    if not collectives.is_distributed():
+        return False
+    mine = [value for _, value in parameter_checksums(_unwrap(module), buffers=False)]
+    total = math.fsum(abs(v) for v in mine)
+    gathered = collectives.gather_objects((total, mine))
+    assert gathered is not None
+    if all(g[1] == gathered[0][1] for g in gathered):
+        return False
+    rank_zero_warn(
+        "The ranks built the model with different initial parameters (parameter checksum "
+        f"{format_ranks({r: f'{g[0]:.10g}' for r, g in enumerate(gathered)})}). DistributedDataParallel is about to "
+        "overwrite every rank's parameters with rank 0's, so training starts from rank 0's values, but this means the "
+        "random seeds were not synchronised when the model was built (typically a model created before trainer.fit "
+        "with a per-rank or time-based seed). Build the model in configure_model/setup (ddp_sync seeds it from the "
+        "shared root seed) or seed every rank identically before building it."
+    )
+    return True
+
+
+def _loaders(trainer: pl.Trainer) -> list[Any]:
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    return list(combined.flattened) if combined is not None else []
+
+
+class GuardChecks(pl.Callback):
+    """The ``ddp_sync`` guard's Lightning-level checks (added by the strategy; no need to add it).
+
+    * train start: a training loader whose sampler is not distributed (every rank would see the
+      whole data set) gets a warning with the fix;
+    * every training epoch start: per-rank batch counts are gathered; uneven counts raise (or,
+      with ``uneven_batches="stop_together"``, every rank stops when the shortest runs out);
+    * every epoch end: the sets of logged keys are compared; differing keys raise.
+
+    Args:
+        uneven_batches: ``"error"`` or ``"stop_together"``.
+    """
+
+    def __init__(self, uneven_batches: str = "error") -> None:
+        self.uneven_batches = uneven_batches
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.world_size < 2:
+            return
+        for i, loader in enumerate(_loaders(trainer)):
+            sampler = getattr(loader, "sampler", None)
+            batch_sampler = getattr(loader, "batch_sampler", None)
+            inner = getattr(batch_sampler, "sampler", None)
+            if sampler is None or isinstance(sampler, DistributedSampler) or isinstance(inner, DistributedSampler):
+                continue
+            if type(sampler).__name__ in ("RandomSampler", "SequentialSampler") and (
+                    inner is None or type(inner).__name__ in ("RandomSampler", "SequentialSampler")):
+                rank_zero_warn(
+                    f"Training dataloader {i} uses a {type(sampler).__name__}, not a DistributedSampler, so every rank "
+                    f"iterates over the whole data set ({len(loader.dataset) if hasattr(loader.dataset, '__len__') else '?'} "
+                    f"samples each on {trainer.world_size} ranks): an epoch is {trainer.world_size} x longer than "
+                    "necessary and each sample is used once per rank. Let Lightning insert a DistributedSampler "
+                    "(Trainer(use_distributed_sampler=True), the default) or pass "
+                    "DistributedSampler(dataset, shuffle=True) yourself. Ignore this if each rank's dataset is its "
+                    "own shard."
+                )
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.world_size < 2:
+            return
+        mine = trainer.num_training_batches
+        counts = collectives.gather_objects(mine)
+        assert counts is not None
+        if len(set(counts)) == 1:
+            return
+        shown = {r: c for r, c in enumerate(counts)}
+        if self.uneven_batches == "stop_together" and all(math.isfinite(c) for c in counts):
+            trainer.fit_loop.max_batches = int(min(counts))  # the epoch loop stops when it reaches this
+            interval = trainer.val_check_interval
+            if isinstance(interval, float) and trainer.val_check_batch not in (None, float("inf")):
+                # Validation runs on "the last batch" (or a fraction of the epoch): a cut-short rank must
+                # validate exactly when the naturally shortest one does, or DDP's buffer broadcast in the
+                # validation forward of one rank waits for the other.
+                trainer.val_check_batch = max(1, int(min(counts) * interval))
+            rank_zero_info(f"ddp_sync: ranks have different numbers of training batches ({format_ranks(shown)}); "
+                           f"every rank stops after {int(min(counts))} this epoch (uneven_batches='stop_together').")
+            return
+        raise RankMismatchError(
+            f"ranks have different numbers of training batches this epoch: {format_ranks(shown)}. A rank with more "
+            "batches would wait forever in DDP's gradient all-reduce once the others have finished. Shard with a "
+            "DistributedSampler (it pads to equal counts; Lightning inserts one unless use_distributed_sampler=False), "
+            "give every rank the same number of samples (drop_last=True), or pass "
+            "SyncDDPStrategy(uneven_batches='stop_together') to end the epoch on every rank when the first runs out.",
+            shown,
+        )
+
+    def _compare_keys(self, trainer: pl.Trainer, stage: str) -> None:
+        if trainer.world_size < 2 or trainer.sanity_checking:
+            return
+        results = trainer._results
+        keys = sorted(results.keys()) if results is not None else []
+        gathered = collectives.gather_objects(keys)
+        assert gathered is not None
+        if all(k == gathered[0] for k in gathered):
+            return
+        union = set().union(*map(set, gathered))
+        missing = {r: sorted(k.split(".", 1)[-1] for k in union - set(g)) or "-" for r, g in enumerate(gathered)}
+        extra = {r: sorted(k.split(".", 1)[-1] for k in set(g) - set.intersection(*map(set, gathered))) or "-"
+                 for r, g in enumerate(gathered)}
+        raise RankMismatchError(
+            f"ranks logged different keys during this {stage} epoch: only on that rank: {format_ranks(extra)}; missing "
+            f"on that rank: {format_ranks(missing)}. Per-rank keys give per-rank metrics that no logger can combine, "
+            "and with sync_dist=True they pair up different metrics across ranks (or hang). Log the same keys on every "
+            "rank (put the rank in the value, not the name) or log rank-specific values with rank_zero_only=True.",
+            extra,
+        )
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._compare_keys(trainer, "training")
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._compare_keys(trainer, "validation")
+
+
+class ParameterConsistencyCheck(pl.Callback):
+    """Raise :class:`~lightning_sync.ParameterDivergenceError` as soon as model replicas drift apart.
+
+    Every ``every_n_steps`` optimizer steps (and at the end of training) every rank computes one
+    float64 checksum per parameter and buffer (optionally per optimizer-state tensor) and the ranks
+    compare them with one small gather. Catches a buffer updated on some ranks only, a parameter
+    excluded from DDP (``_ddp_params_and_buffers_to_ignore``) or updated outside the optimizer, and
+    optimizer state that differs. Buffers DDP re-broadcasts before every forward are skipped.
+
+    Works with any DDP strategy. All ranks must run it (add it to the Trainer on every rank).
+
+    Args:
+        every_n_steps: check period in optimizer steps.
+        buffers: compare buffers.
+        optimizer_state: compare the first optimizer's state tensors.
+    """
+
+    def __init__(self, every_n_steps: int = 100, buffers: bool = True, optimizer_state: bool = False) -> None:
+        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"ParameterConsistencyCheck(every_n_steps={every_n_steps!r}): must be a positive int.")
+        self.every_n_steps = every_n_steps
+        self.buffers = buffers
+        self.optimizer_state = optimizer_state
+        self.checks = 0
+
+    def _check(self, trainer: pl.Trainer, where: str) -> None:
+        model = trainer.strategy.model
+        assert model is not None
+        optimizer = trainer.optimizers[0] if self.optimizer_state and trainer.optimizers else None
+        check_replicas(model, buffers=self.buffers, optimizer=optimizer, where=where)
+        self.checks += 1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if step and step % self.every_n_steps == 0 and step != getattr(self, "_last", None):
+            self._last = step
+            self._check(trainer, f"after optimizer step {step}")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check(trainer, "at the end of training")

@@ -1,0 +1,1 @@
+"""Hydra configs of lsync-train (a package so they ship in the wheel and resolve via pkg://)."""

@@ -1,0 +1,135 @@
+"""Hydra glue for ``lsync-train``: OmegaConf resolvers that keep every rank of a job in one
+directory, and the fail-fast checks run before any process is spawned.
+
+Resolvers (registered on import):
+    ``${lsync_rank:}``        this process's global rank, from the launcher's environment.
+    ``${lsync_rank_zero:X}``  X on global rank 0, None elsewhere (``hydra.output_subdir``: one
+                              ``.hydra/`` per job, written by rank 0).
+    ``${lsync_stamp:}``       a run name every rank computes alike: the SLURM job/step or the torchrun
+                              run id when ranks are started externally, else the local time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["ConfigError", "check_config", "global_rank", "run_stamp"]
+
+_STARTED = time.localtime()  # one stamp per process: rank > 0 never needs it (it is handed the run dir)
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; raised before any process is spawned."""
+
+
+def global_rank() -> int:
+    """This process's global rank as the launchers announce it (0 in a process nobody launched)."""
+    for key in ("LSYNC_GLOBAL_RANK", "RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+def run_stamp() -> str:
+    """A directory name that is equal on every rank of one launch (see the module docstring)."""
+    if "SLURM_JOB_ID" in os.environ and "SLURM_STEP_ID" in os.environ:
+        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id != "none":
+        return f"torchrun-{run_id}"
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # static rendezvous: ranks share only the master address
+        return f"torchrun-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}"
+    return time.strftime("%Y-%m-%d/%H-%M-%S", _STARTED)
+
+
+def _register_resolvers() -> None:
+    OmegaConf.register_new_resolver("lsync_rank", global_rank, replace=True)
+    OmegaConf.register_new_resolver("lsync_rank_zero", lambda value: value if global_rank() == 0 else None,
+                                    replace=True)
+    # Cached in the config object, so a config pickled to another process (submitit) keeps its stamp.
+    OmegaConf.register_new_resolver("lsync_stamp", run_stamp, replace=True, use_cache=True)
+
+
+_register_resolvers()
+# conf/hydra/launcher/*.yaml spell out every field of the plugins' schemas of the same name on purpose.
+warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
+
+
+# ---------------------------------------------------------------------------------------- checks
+
+def _fail(key: str, value: Any, why: str, fix: str) -> None:
+    raise ConfigError(f"{key}={value}: {why}. Fix: {fix}")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Checks what would otherwise fail late, after processes are spawned, or hang.
+
+    Raises:
+        ConfigError: naming the key, the bad value and the fix.
+    """
+    t = cfg.trainer
+    devices, num_nodes, accel = t.get("devices", 1), t.get("num_nodes", 1), str(t.get("accelerator", "auto"))
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices < 1:
+        _fail("trainer.devices", devices, "the number of processes per node must be >= 1",
+              "trainer.devices=2 (or trainer.devices=auto)")
+    if not isinstance(num_nodes, int) or num_nodes < 1:
+        _fail("trainer.num_nodes", num_nodes, "must be an integer >= 1", "trainer.num_nodes=1")
+    if accel in ("gpu", "cuda") and not torch.cuda.is_available():
+        _fail("trainer.accelerator", accel,
+              f"this machine has no usable GPU (torch {torch.__version__}, torch.cuda.is_available() is False)",
+              "trainer=cpu_ddp (2 processes on CPU) or trainer=cpu, or install a CUDA build of torch")
+    if isinstance(devices, int) and accel in ("gpu", "cuda") and devices > torch.cuda.device_count():
+        _fail("trainer.devices", devices, f"only {torch.cuda.device_count()} GPU(s) visible on this node",
+              f"trainer.devices={torch.cuda.device_count()} or set CUDA_VISIBLE_DEVICES")
+    _check_cluster(cfg, devices, num_nodes)
+
+
+def _detected_cluster() -> str:
+    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
+    from lightning.fabric.plugins.environments.torchelastic import TorchElasticEnvironment
+
+    if TorchElasticEnvironment.detect():
+        return "TorchElasticEnvironment"
+    return "SLURMEnvironment" if SLURMEnvironment.detect() else "LightningEnvironment"
+
+
+def _check_cluster(cfg: DictConfig, devices: Any, num_nodes: int) -> None:
+    # cluster=auto (null): check against what Lightning will detect
+    target = str(OmegaConf.select(cfg, "cluster._target_", default=None) or _detected_cluster())
+    env = os.environ
+    if target.endswith("TorchElasticEnvironment"):
+        if "LOCAL_WORLD_SIZE" not in env:
+            _fail("cluster", "torchrun", "no torchrun environment (LOCAL_WORLD_SIZE, RANK, ... are unset)",
+                  "start with `torchrun --nproc-per-node=N -m lightning_sync.train cluster=torchrun ...`,"
+                  " or use cluster=local")
+        world, local = int(env.get("WORLD_SIZE", "0")), int(env["LOCAL_WORLD_SIZE"])
+        if isinstance(devices, int) and local != devices:
+            _fail("trainer.devices", devices, f"torchrun started {local} processes per node (--nproc-per-node)",
+                  f"trainer.devices={local}")
+        if world != num_nodes * local:
+            _fail("trainer.num_nodes", num_nodes,
+                  f"num_nodes({num_nodes}) * nproc_per_node({local}) != WORLD_SIZE({world})",
+                  f"trainer.num_nodes={world // max(local, 1)}")
+    elif target.endswith("SLURMEnvironment"):
+        if "SLURM_NTASKS" not in env:
+            _fail("cluster", "slurm", "not inside a SLURM allocation (SLURM_NTASKS is unset)",
+                  "run under `srun --ntasks-per-node=N` / sbatch, or use cluster=local")
+        nnodes = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+        if nnodes != num_nodes:
+            _fail("trainer.num_nodes", num_nodes, f"the SLURM allocation has {nnodes} node(s) (SLURM_JOB_NUM_NODES)",
+                  f"trainer.num_nodes={nnodes}")
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        if per_node.isdigit() and isinstance(devices, int) and int(per_node) != devices:
+            _fail("trainer.devices", devices, f"SLURM starts {per_node} tasks per node (--ntasks-per-node)",
+                  f"trainer.devices={per_node}")
+    elif num_nodes > 1 and "NODE_RANK" not in env and "LOCAL_RANK" not in env:
+        _fail("trainer.num_nodes", num_nodes,
+              "cluster=local starts processes on this machine only and NODE_RANK is unset, so the other"
+              " nodes would never join (the run would hang in rendezvous)",
+              "cluster=torchrun or cluster=slurm, or set MASTER_ADDR, MASTER_PORT and NODE_RANK on every node")

@@ -1,0 +1,310 @@
+"""The collective guard and the consistency checks: each classic DDP mistake on 2 real gloo ranks.
+
+Unit scenarios run through ``run_ranks`` (no Trainer, ~1 s each); Trainer scenarios run
+tests/scripts/fit_guard.py in a subprocess under ``timeout -k 5`` (2 ranks via Lightning's launcher).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lightning_sync as ls
+from lightning_sync import collectives
+from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
+from tests.distributed import run_ranks
+
+SCRIPT = Path(__file__).parent / "scripts" / "fit_guard.py"
+
+
+def _line(marker: str) -> int:
+    """Line of fit_guard.py holding ``marker`` (errors must name it)."""
+    return next(i for i, text in enumerate(SCRIPT.read_text().splitlines(), 1) if marker in text)
+
+
+# ---------------------------------------------------------------------------------------- rank bodies
+
+
+def _correct_program(rank: int, world: int) -> dict:
+    """Collectives that legitimately look different per rank must not trip the guard."""
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "barrier", "broadcast")}
+    with CollectiveGuard(timeout=10) as guard:
+        x = torch.full((3,), float(rank))
+        dist.all_reduce(x)
+        obj = [{"rank": rank}] if rank == 0 else [None]
+        dist.broadcast_object_list(obj, src=0)  # torch's internal broadcast calls pass through
+        rows, counts = collectives.all_gather_uneven(torch.ones(rank + 1, 2))  # uneven rows are fine
+        dist.all_gather_object([None] * world, {"rank": rank, "payload": "x" * rank})
+        for _ in range(20):
+            dist.barrier()
+        patched = getattr(dist.all_reduce, "__lightning_sync_guarded__", False)
+        checks = guard.checks
+    restored = all(getattr(dist, name) is fn for name, fn in originals.items())
+    return {"sum": x.tolist(), "obj": obj[0], "counts": counts, "patched": patched, "restored": restored,
+            "checks": checks}
+
+
+def _mismatch(rank: int, world: int) -> None:
+    with CollectiveGuard(timeout=10):
+        dist.barrier()
+        if rank == 0:
+            dist.all_reduce(torch.ones(1))  # the mistake: a collective in a rank-0-only branch
+        else:
+            dist.barrier()
+
+
+def _same_op_other_line(rank: int, world: int) -> None:
+    with CollectiveGuard(timeout=10):
+        value = torch.ones(1)
+        if rank == 0:
+            dist.all_reduce(value)  # "loss" on rank 0 ...
+        else:
+            dist.all_reduce(value)  # ... summed with "accuracy" on rank 1: same shape, silently wrong
+
+
+def _missing(rank: int, world: int, log_dir: str) -> None:
+    stream = open(os.path.join(log_dir, f"rank{rank}.log"), "w")  # noqa: SIM115 - closed below
+    guard = CollectiveGuard(timeout=2, stream=stream)
+    guard.install()
+    try:
+        dist.barrier()
+        if rank == 0:
+            dist.all_reduce(torch.ones(2))
+        else:
+            time.sleep(4)  # rank 1 is elsewhere (compute, or a collective the guard does not see)
+    finally:
+        guard.uninstall()
+        stream.close()
+
+
+def _ls_collective_vs_torch(rank: int, world: int) -> None:
+    with CollectiveGuard(timeout=10):
+        if rank == 0:
+            collectives.all_reduce(torch.ones(2))
+        else:
+            dist.barrier()
+
+
+def _allreduce_ddp_grad(rank: int, world: int, what: str) -> None:
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
+    with CollectiveGuard(timeout=10) as guard:
+        guard.watch_module(model)
+        model(torch.randn(4, 3) + rank).sum().backward()
+        weight = model.module.weight
+        dist.all_reduce(weight.grad if what == "grad" else weight.data)  # the mistake
+
+
+def _ignored_buffer_drifts(rank: int, world: int) -> None:
+    module = torch.nn.Linear(3, 1)
+    module.register_buffer("count", torch.zeros(()))
+    module._ddp_params_and_buffers_to_ignore = ["count"]  # type: ignore[attr-defined]
+    model = torch.nn.parallel.DistributedDataParallel(module)  # broadcast_buffers=True: but never this one
+    from lightning_sync.callbacks.consistency import check_replicas
+
+    check_replicas(model, where="at start")  # passes
+    model(torch.randn(4, 3)).sum().backward()
+    module.count += 4 * (rank + 1)  # e.g. samples seen: differs per rank, and DDP never syncs it
+    check_replicas(model, where="after step 1")
+
+
+# ---------------------------------------------------------------------------------------- unit tests
+
+
+def test_correct_program_passes_and_torch_is_restored() -> None:
+    r0, r1 = run_ranks(_correct_program, 2, timeout=60)
+    assert r0["sum"] == r1["sum"] == [1.0, 1.0, 1.0]
+    assert r0["obj"] == r1["obj"] == {"rank": 0}
+    assert r0["counts"] == [1, 2]
+    assert r0["patched"] and r0["restored"] and r1["restored"]
+    assert r0["checks"] == r1["checks"] == 24  # one per collective: broadcast_object_list's inner calls pass
+
+
+def _errors(outcomes: list) -> list[str]:
+    assert all(not ok for ok, _ in outcomes), outcomes
+    return [text for _, text in outcomes]
+
+
+def test_rank_zero_only_collective_names_both_call_sites() -> None:
+    for text in _errors(run_ranks(_mismatch, 2, timeout=60, expect_failure=True)):
+        assert "CollectiveMismatchError" in text
+        assert "rank 0 at test_guard.py:" in text and "_mismatch: all_reduce float32[1] op=sum" in text
+        assert "rank 1 at test_guard.py:" in text and "_mismatch: barrier" in text
+        assert "rank-dependent branch" in text
+
+
+def test_same_collective_from_different_lines_is_caught() -> None:
+    for text in _errors(run_ranks(_same_op_other_line, 2, timeout=60, expect_failure=True)):
+        assert "CollectiveMismatchError" in text and "call sites differ" in text
+
+
+def test_lightning_sync_collective_is_guarded_too() -> None:
+    for text in _errors(run_ranks(_ls_collective_vs_torch, 2, timeout=60, expect_failure=True)):
+        assert "rank 0 at test_guard.py" in text and ": all_reduce;" in text and "_ls_collective_vs_torch: barrier" in text
+
+
+def test_missing_rank_times_out_fast_with_last_collective_and_stacks(tmp_path: Path) -> None:
+    start = time.monotonic()
+    (ok0, text0), (ok1, _) = run_ranks(_missing, 2, args=(str(tmp_path),), timeout=60, expect_failure=True)
+    assert time.monotonic() - start < 45  # guard timeout 2 s; the rest is process start-up on a busy machine
+    assert not ok0 and "CollectiveMismatchError" in text0 and "rank(s) 1 did not reach guarded collective #1" in text0
+    assert "its last collective was #0 at test_guard.py" in text0 and "_missing: barrier" in text0
+    assert ok1  # rank 1 never issued the collective: nothing to raise there, but its log explains
+    log1 = (tmp_path / "rank1.log").read_text()
+    assert "rank 0 raised CollectiveMismatchError" in log1
+    assert "Python stacks" in log1 and "in _missing" in log1  # where rank 1 stood (time.sleep)
+
+
+@pytest.mark.parametrize("what", ["grad", "weight"])
+def test_all_reduce_of_ddp_managed_tensor_is_rejected(what: str) -> None:
+    for text in _errors(run_ranks(_allreduce_ddp_grad, 2, args=(what,), timeout=60, expect_failure=True)):
+        assert "LightningSyncError" in text and "'weight'" in text and "DistributedDataParallel" in text
+        assert ("2 x the average gradient" if what == "grad" else "multiplies them by the world size (2)") in text
+
+
+def test_tensor_excluded_from_ddp_diverges() -> None:
+    for text in _errors(run_ranks(_ignored_buffer_drifts, 2, timeout=60, expect_failure=True)):
+        assert "ParameterDivergenceError" in text and "'count'" in text and "after step 1" in text
+        assert "_ddp_params_and_buffers_to_ignore" in text and "rank 0 " in text and "rank 1 " in text
+
+
+def test_nccl_flight_recorder_env_keeps_user_values() -> None:
+    env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}
+    done = configure_nccl_flight_recorder(env, directory="/tmp/x")
+    assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/x/lightning_sync_nccl_trace_rank_"}
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in done
+
+
+def test_strategy_sets_flight_recorder_env_before_nccl_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.setenv(name, "x")  # so monkeypatch restores the original state afterwards
+        monkeypatch.delenv(name)
+    strategy = ls.SyncDDPStrategy(process_group_backend="nccl")
+    strategy.set_world_ranks = lambda: None  # type: ignore[method-assign]  # no cluster here: fail at init
+    with pytest.raises(Exception):  # noqa: B017 - no GPU/NCCL on this machine; the env is what matters
+        strategy.setup_distributed()
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+
+
+def test_strategy_arguments() -> None:
+    assert isinstance(ls.SyncDDPStrategy().guard, CollectiveGuard)
+    assert ls.SyncDDPStrategy(guard=False).guard is None
+    assert ls.SyncDDPStrategy(guard_timeout=3).guard.timeout == 3  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="stop_together"):
+        ls.SyncDDPStrategy(uneven_batches="pad")
+    with pytest.raises(ValueError, match="positive"):
+        CollectiveGuard(timeout=0)
+
+
+# ---------------------------------------------------------------------------------------- Trainer scenarios
+
+
+def fit(out: Path, scenario: str, *extra: str, timeout: int = 150) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPT), "--out", str(out),
+                           "--scenario", scenario, *extra], capture_output=True, text=True, timeout=timeout + 20)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _lightning_procs(out: Path) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if str(out) in line and "fit_guard.py" in line]
+
+
+@pytest.mark.slow
+def test_trainer_correct_program_never_trips_the_guard(tmp_path: Path) -> None:
+    r0, r1 = fit(tmp_path, "ok")
+    assert r0["error"] is None and r1["error"] is None
+    assert r0["steps"] == r1["steps"] == 6 and r0["checks"] == 4
+    assert not r0["patched_after"]  # torch.distributed restored at teardown
+
+
+LOSS_LINE = _line('self.log("loss"')
+# scenario -> (error type on every rank that can act, texts the message must contain, ranks that must raise)
+SCENARIOS = {
+    "rank0_log": ("CollectiveMismatchError", [
+        f"rank 0 at fit_guard.py:{_line('rank0_loss')} training_step: strategy.reduce float32[] op=mean",
+        "rank 1 never reached it", f"fit_guard.py:{LOSS_LINE} training_step"], [0]),
+    "rank0_checkpoint": ("CollectiveMismatchError", [
+        f"rank 0 at fit_guard.py:{_line('manual.ckpt')} on_train_epoch_end", "rank 1 at fit_guard.py"], [0, 1]),
+    "log_keys": ("RankMismatchError", ["logged different keys", "rank 0 ['loss_rank0'], rank 1 ['loss_rank1']"],
+                 [0, 1]),
+    "uneven": ("RankMismatchError", ["different numbers of training batches", "rank 0 5, rank 1 6",
+                                     "uneven_batches='stop_together'"], [0, 1]),
+    "buffer_drift": ("ParameterDivergenceError", ["'seen' has checksum rank 0 0, rank 1 "], [0, 1]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_trainer_mistake_raises_precise_error(tmp_path: Path, scenario: str) -> None:
+    kind, texts, ranks = SCENARIOS[scenario]
+    start = time.monotonic()
+    reports = fit(tmp_path, scenario)
+    assert time.monotonic() - start < 90
+    for rank in ranks:
+        error = reports[rank]["error"]
+        assert error is not None and error["type"] == kind, reports
+        for text in texts:
+            assert text in error["message"], error["message"]
+    assert not _lightning_procs(tmp_path), "a rank was left behind"
+
+
+@pytest.mark.slow
+def test_trainer_warnings_and_stop_together(tmp_path: Path) -> None:
+    """Plain RandomSampler + models built with per-rank seeds + one extra batch on rank 1."""
+    r0, r1 = fit(tmp_path, "warnings")
+    assert r0["error"] is None and r1["error"] is None
+    assert r0["steps"] == r1["steps"] == 10  # 5 batches per epoch on both ranks (rank 1 had 6)
+    text = "\n".join(r0["warnings"])
+    assert "different initial parameters" in text and "seeds were not synchronised" in text
+    assert "uses a RandomSampler, not a DistributedSampler" in text
+
+
+# ---------------------------------------------------------------------------------------- sampled mode
+
+
+def _sampled(rank: int, world: int, scenario: str) -> dict:
+    with CollectiveGuard(timeout=3, check_every=4) as guard:
+        x = torch.ones(2)
+        for _ in range(10):
+            dist.all_reduce(x)
+        dist.barrier()
+        if scenario == "other_line":
+            if rank == 0:
+                dist.all_reduce(x)  # pairs with rank 1's call on another line: noticed at the next check
+            else:
+                dist.all_reduce(x)
+            for _ in range(3):
+                dist.all_reduce(x)
+        if scenario == "hang":
+            if rank == 0:
+                dist.all_reduce(x)  # rank 1 never joins: rank 0's watchdog ends it after the timeout
+            else:
+                time.sleep(8)  # busy elsewhere; its closing check then sees rank 0's all_reduce
+        return {"checks": guard.checks, "x": x.tolist()}
+
+
+def test_sampled_mode_passes_correct_programs_and_catches_mistakes_late() -> None:
+    r0, r1 = run_ranks(_sampled, 2, args=("ok",), timeout=60)
+    assert r0["x"] == r1["x"] == [1024.0, 1024.0]
+    for text in _errors(run_ranks(_sampled, 2, args=("other_line",), timeout=60, expect_failure=True)):
+        assert "CollectiveMismatchError" in text and "guarded collective #11 (checked 3 collective(s) later" in text
+
+
+def test_sampled_mode_hang_ends_the_blocked_rank() -> None:
+    start = time.monotonic()
+    (ok0, text0), (ok1, text1) = run_ranks(_sampled, 2, args=("hang",), timeout=60, expect_failure=True)
+    assert time.monotonic() - start < 45
+    assert not ok0 and "exit code 70" in text0  # the watchdog ended rank 0, blocked in all_reduce
+    assert not ok1 and "CollectiveMismatchError" in text1 and "all_reduce float32[2]" in text1

@@ -1,0 +1,231 @@
+"""lsync-train and lightning_sync/conf: every config composes; the main job, a multirun (basic and
+submitit_local launchers) and torchrun on 2 CPU ranks; bad configs fail before anything is spawned."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.utils import get_class, instantiate
+
+import lightning_sync as ls
+from lightning_sync.config import ConfigError, check_config
+
+# conf/hydra/launcher/*.yaml shadow the plugins' schemas of the same name on purpose (see config.py)
+pytestmark = pytest.mark.filterwarnings("ignore:.*is validated against ConfigStore schema")
+
+CONF = Path(ls.__file__).parent / "conf"
+GROUPS = ("trainer", "cluster", "model", "data", "callbacks", "logger", "experiment", "debug", "hydra/launcher")
+# 1 epoch of 2 batches: what every subprocess run uses
+TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "callbacks=minimal",
+        "trainer.enable_checkpointing=false"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def lsync_train(*args: str, cwd: Path, timeout: int = 240, env: dict[str, str] | None = None,
+                exe: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    command = [*(exe or [sys.executable, "-m", "lightning_sync.train"]), *args]
+    return subprocess.run(["timeout", "-k", "5", str(timeout), *command], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout + 20, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+def leftovers(marker: str) -> list[str]:
+    """Processes (other than ps itself) whose command line mentions ``marker``."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in ps if marker in line and " ps -eo" not in line]
+
+
+# ------------------------------------------------------------------------------ in-process
+
+def test_conf_ships_in_the_package_and_repo_conf_points_to_it() -> None:
+    repo_conf = Path(__file__).parents[1] / "conf"
+    assert repo_conf.resolve() == CONF.resolve()
+    for group in GROUPS:
+        assert options(group), group
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_composes_and_instantiates(group: str, tmp_path: Path) -> None:
+    with initialize_config_module("lightning_sync.conf", version_base="1.3"):
+        for option in options(group):
+            cfg = compose("train", overrides=[f"{group}={option}", f"run_dir={tmp_path}"],
+                          return_hydra_config=group.startswith("hydra"))
+            if group.startswith("hydra"):
+                launcher = cfg.hydra.launcher
+                assert get_class(launcher._target_).__name__.endswith("Launcher"), option
+                continue
+            instantiate(cfg.model), instantiate(cfg.data)
+            if cfg.cluster is not None:  # cluster=auto: None, Lightning detects
+                instantiate(cfg.cluster)
+            [instantiate(c) for c in cfg.callbacks.values() if c is not None]
+            [instantiate(c) for c in cfg.logger.values() if c is not None]
+            if cfg.trainer.accelerator == "gpu" and not _cuda():
+                with pytest.raises(ConfigError, match="trainer.accelerator=gpu: this machine has no usable GPU"):
+                    check_config(cfg)
+                if not isinstance(cfg.trainer.strategy, str):
+                    assert isinstance(instantiate(cfg.trainer.strategy), ls.SyncDDPStrategy)
+                continue
+            if group == "cluster" and option not in ("auto", "local"):
+                continue  # torchrun/slurm: the Trainer reads their launcher's environment (tested below)
+            check_config(cfg)
+            trainer = instantiate(cfg.trainer, logger=False)
+            assert trainer.num_devices == cfg.trainer.devices, option
+
+
+def test_default_config_is_the_main_job() -> None:
+    with initialize_config_module("lightning_sync.conf", version_base="1.3"):
+        cfg = compose("train", overrides=["run_dir=/tmp/x", "seed=7", "model.lr=0.03"])
+    assert cfg.trainer.devices == 2 and cfg.trainer.accelerator == "cpu"
+    assert cfg.trainer.strategy._target_ == "lightning_sync.SyncDDPStrategy" and cfg.trainer.strategy.seed == 7
+    model = instantiate(cfg.model)
+    assert model.hparams.lr == 0.03
+    assert any(isinstance(m, __import__("torch").nn.BatchNorm2d) for m in model.modules())
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ------------------------------------------------------------------------------ subprocess runs
+
+@pytest.mark.slow
+def test_main_job_two_ranks(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = ok(lsync_train(*TINY, "seed=11", f"hydra.run.dir={run}", cwd=tmp_path))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["seed"] == 11 and summary["world_size"] == 2 and summary["run_dir"] == str(run)
+    assert summary["val_size"] == 2 * 64 and 0.0 <= summary["val_acc"] <= 1.0  # 1 batch of 64 per rank, gathered
+    assert f"lsync-train: root seed 11 | world size 2 | val acc {summary['val_acc']:.4f}" in out
+    assert sorted(p.name for p in run.glob("rank*.log")) == ["rank0.log", "rank1.log"]
+    assert "rank 1/2 done" in (run / "rank1.log").read_text()
+    assert len(list(tmp_path.rglob("config.resolved.yaml"))) == 1 and len(list(tmp_path.rglob(".hydra"))) == 1
+    assert (run / "csv" / "version_0" / "metrics.csv").exists()
+
+
+def _check_sweep(sweep: Path, lrs: list[float]) -> None:
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert [j.name for j in jobs] == [str(i) for i in range(len(lrs))]
+    rank1_pids, ports = set(), set()
+    for job, lr in zip(jobs, lrs):
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["lr"] == lr and summary["world_size"] == 2 and summary["run_dir"] == str(job)
+        assert sorted(p.name for p in job.glob("rank*.log")) == ["rank0.log", "rank1.log"]
+        assert len(list(job.rglob("config.resolved.yaml"))) == 1 and len(list(job.rglob(".hydra/config.yaml"))) == 1
+        rank1 = (job / "rank1.log").read_text()
+        assert f"rank 1/2 done: lr={lr} " in rank1, rank1  # rank 1 ran this job's overrides, in this dir
+        rank1_pids.add(rank1.split("pid ")[1].split(",")[0])
+        ports.add(rank1.split("master port ")[1].split()[0])
+    assert len(rank1_pids) == len(lrs), "a rank process was reused across jobs"
+    assert len(ports) == len(lrs), "jobs shared a master port"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["basic", "submitit_local"])
+def test_multirun_two_jobs_two_ranks(launcher: str, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    ok(lsync_train("-m", "model.lr=0.05,0.1", *TINY, f"hydra/launcher={launcher}", f"hydra.sweep.dir={sweep}",
+                   cwd=tmp_path, timeout=300))
+    _check_sweep(sweep, [0.05, 0.1])
+    assert not leftovers(str(tmp_path)), leftovers(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_multirun_under_torchrun(tmp_path: Path) -> None:
+    """Ranks from torchrun: nothing is spawned; both ranks walk the sweep and share each job's dir."""
+    # cluster=auto (the default): Lightning detects torchrun
+    proc = lsync_train("-m", "model.lr=0.05,0.1", *TINY, cwd=tmp_path, timeout=240,
+                       exe=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            "-m", "lightning_sync.train"])
+    ok(proc)
+    (sweep,) = (tmp_path / "multirun").iterdir()
+    assert sweep.name.startswith("torchrun-")
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [j.name for j in jobs] == ["0", "1"]
+    for job, lr in zip(jobs, [0.05, 0.1]):
+        assert f"rank 1/2 done: lr={lr} " in (job / "rank1.log").read_text()
+        assert len(list(job.rglob(".hydra/config.yaml"))) == 1
+    assert not leftovers(str(tmp_path)), leftovers(str(tmp_path))
+
+
+BAD = {
+    "devices0": (["trainer.devices=0"], {}, "trainer.devices=0: the number of processes per node must be >= 1"),
+    "unknown_option": (["trainer=tpu_pod"], {}, "Could not find 'trainer/tpu_pod'"),
+    "gpu_without_gpu": (["trainer=gpu_ddp"], {}, "trainer.accelerator=gpu: this machine has no usable GPU"),
+}
+# The same checks against a launcher's environment, in-process (the CLI path is the one above).
+BAD_IN_ENV = {
+    "local_num_nodes": (["trainer.num_nodes=2"], {}, "trainer.num_nodes=2: cluster=local starts processes on"),
+    "torchrun_num_nodes": (["cluster=torchrun", "trainer.num_nodes=2"],
+                           {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},
+                           "trainer.num_nodes=2: num_nodes(2) * nproc_per_node(2) != WORLD_SIZE(2)"),
+    "torchrun_devices": (["cluster=torchrun"], {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4"},
+                         "trainer.devices=2: torchrun started 4 processes per node"),
+    "torchrun_missing": (["cluster=torchrun"], {}, "cluster=torchrun: no torchrun environment"),
+    "auto_under_torchrun": ([], {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"},
+                            "trainer.devices=2: torchrun started 4 processes per node"),
+    "slurm_num_nodes": (["cluster=slurm", "trainer.num_nodes=2"],
+                        {"SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS_PER_NODE": "2"},
+                        "trainer.num_nodes=2: the SLURM allocation has 1 node(s)"),
+    "slurm_devices": (["cluster=slurm"], {"SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "1",
+                                          "SLURM_NTASKS_PER_NODE": "4"}, "SLURM starts 4 tasks per node"),
+    "slurm_missing": (["cluster=slurm"], {}, "cluster=slurm: not inside a SLURM allocation"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_IN_ENV)
+def test_cluster_mismatch_is_a_config_error(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    overrides, env, message = BAD_IN_ENV[name]
+    for key in ("TORCHELASTIC_RUN_ID", "NODE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with initialize_config_module("lightning_sync.conf", version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, "run_dir=/tmp/x"])
+    with pytest.raises(ConfigError, match="Fix: ") as err:
+        check_config(cfg)
+    assert message in str(err.value)
+# Commands that must succeed without training (run in the same batch to share the import time).
+GOOD = {
+    "help": (["--help"], "lsync-train: the lightning_sync main job"),
+    "cfg_job": (["--cfg", "job", "trainer=gpu_ddp", "seed=5"], "process_group_backend: nccl"),
+}
+
+
+@pytest.mark.slow
+def test_bad_configs_fail_fast_with_the_fix_and_help_works(tmp_path: Path) -> None:
+    bad = {k: v for k, v in BAD.items() if not (k == "gpu_without_gpu" and _cuda())}
+    started = time.monotonic()
+    procs = {}
+    commands = {**bad, **{name: (args, {}, text) for name, (args, text) in GOOD.items()}}
+    for name, (args, env, _) in commands.items():  # all at once: each is mostly import time
+        (tmp_path / name).mkdir()
+        procs[name] = subprocess.Popen(
+            ["timeout", "-k", "5", "180", sys.executable, "-m", "lightning_sync.train", *args,
+             f"hydra.run.dir={tmp_path / name / 'run'}"], cwd=tmp_path / name, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=200)
+        assert commands[name][2] in out, f"{name}:\n{out[-3000:]}"
+        if name in GOOD:
+            assert proc.returncode == 0 and not (tmp_path / name / "run").exists(), f"{name}: {out[-3000:]}"
+            continue
+        assert proc.returncode not in (0, 124, 137), f"{name}: exit {proc.returncode}\n{out[-3000:]}"
+        assert "Fix:" in out or name == "unknown_option", out[-2000:]
+        assert not list((tmp_path / name).rglob("rank1.log")), f"{name}: a rank was spawned"
+    assert time.monotonic() - started < 150

@@ -1,22 +1,245 @@
-"""The launch recipes under recipes/, run on the two-node test cluster with lsync-doctor as the payload.
+"""Every recipe in recipes/ runs in the suite and shows what it claims.
 
-Point SCRIPT at the training job instead of the doctor to test training launches the same way.
+The sync recipes (recipes/*.py) run on 2 CPU processes, shrunk by their arguments: each test launches
+the recipe exactly as its docstring says (Lightning's launcher or torchrun), under `timeout -k 5`,
+then re-derives the property from the per-rank lines the recipe prints instead of trusting the
+recipe's own verdict (the averaged loss against each rank's loss, the digests of every rank, the
+shards of every rank).
+
+The launch recipes (recipes/launch_*) run on the two-node test cluster with lsync-doctor as the
+payload (marked `cluster`: root and network namespaces). Point SCRIPT at the training job instead of
+the doctor to test training launches the same way.
 """
 
 from __future__ import annotations
 
+import ast
+import math
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import lightning_sync as ls
 from tests.cluster import Cluster
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+TIMEOUT = 300  # generous: the CI machine is shared; a healthy run takes 5-30 s
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DOCTOR = {"SCRIPT": "python -m lightning_sync.doctor"}
 
+#: recipe file -> the test that runs it (tests/test_docs.py uses this to accept commands in the docs).
+RUNS: dict[str, str] = {
+    "ddp_basics.py": "test_ddp_basics_gradients_and_parameters_agree",
+    "loss_averaging.py": "test_loss_averaging_equals_mean_of_rank_losses",
+    "broadcast_decision.py": "test_broadcast_decision_and_the_rank_divergent_mistake",
+    "exact_validation.py": "test_exact_validation_counts_every_sample_once",
+    "syncbn.py": "test_syncbn_running_stats_are_union_statistics",
+    "local_sgd.py": "test_local_sgd_ranks_identical_after_each_average",
+    "seeds.py": "test_seeds_equal_where_needed_different_where_needed",
+    "distributed_sampler.py": "test_distributed_sampler_shards_and_set_epoch",
+    "init_process_group.py": "test_init_process_group_env_and_file_rendezvous",
+}
 
+
+def run(cmd: list[str], cwd: Path, timeout: int = TIMEOUT) -> str:
+    """Run a launcher command under `timeout -k 5`; return its stdout (the recipes print there)."""
+    # Not PYTHONUNBUFFERED: unbuffered, print() writes the text and its newline separately, and the
+    # two ranks' lines interleave mid-line. Buffered, each `print(..., flush=True)` is one write.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(["timeout", "-k", "5", str(timeout), *cmd], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout + 30)
+    assert proc.returncode == 0, (f"{' '.join(cmd)}: exit {proc.returncode}\n"
+                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc.stdout
+
+
+def script(recipe: str, *args: str, cwd: Path) -> str:
+    """`python recipes/X.py ARGS`: Lightning's launcher (or mp.spawn) starts the other rank itself."""
+    return run([sys.executable, str(RECIPES / recipe), *args], cwd)
+
+
+def torchrun(recipe: str, *args: str, cwd: Path) -> str:
+    """`torchrun --standalone --nproc_per_node=2 recipes/X.py ARGS`."""
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                str(RECIPES / recipe), *args], cwd)
+
+
+HEX = r"([0-9a-f]{12})"  # the recipes' digests: fixed width, so a glued-on next line cannot extend them
+NUM = r"([-+]?\d[\d.e+-]*)"
+
+
+def per_rank(pattern: str, out: str) -> dict[int, tuple[str, ...]]:
+    """`{rank: groups}` for a pattern whose first group is the rank; exactly one match per rank of 2."""
+    found: dict[int, tuple[str, ...]] = {}
+    for m in re.finditer(pattern, out):  # finditer, not lines: two ranks' prints may share a line
+        rank = int(m.group(1))
+        assert rank not in found, f"rank {rank} printed {pattern!r} twice:\n{out}"
+        found[rank] = m.groups()[1:]
+    assert sorted(found) == [0, 1], f"expected ranks 0 and 1 to print {pattern!r}:\n{out}"
+    return found
+
+
+def test_every_recipe_is_tested_and_opens_with_its_commands() -> None:
+    scripts = sorted(p.name for p in RECIPES.glob("*.py"))
+    assert scripts and set(scripts) <= set(RUNS), f"recipes without a test: {set(scripts) - set(RUNS)}"
+    tests = {name for name, obj in globals().items() if name.startswith("test_") and callable(obj)}
+    assert set(RUNS.values()) <= tests, f"RUNS names missing tests: {set(RUNS.values()) - tests}"
+    for name in scripts:
+        source = (RECIPES / name).read_text()
+        doc = ast.get_docstring(ast.parse(source)) or ""
+        commands = [line.strip() for line in doc.splitlines() if re.match(r"\s*(python|torchrun) ", line)]
+        assert commands, f"{name}: the docstring must open with the exact launch commands"
+        for command in commands:
+            assert f"recipes/{name}" in command, f"{name}: {command!r} does not run this recipe"
+            for flag in re.findall(r"(?<=\s)--[a-z][\w-]*", command.split("#")[0].split(f"recipes/{name}")[1]):
+                assert f'"{flag}"' in source, f"{name}: its docstring uses {flag}, which the script does not define"
+        assert len(source.splitlines()) < 100, f"{name}: keep recipes under 100 lines"
+
+
+@pytest.mark.slow
+def test_ddp_basics_gradients_and_parameters_agree(tmp_path: Path) -> None:
+    out = script("ddp_basics.py", "--max-steps", "3", cwd=tmp_path)
+    losses = per_rank(r"rank (\d) step 0 local loss " + NUM, out)
+    assert losses[0] != losses[1], "both ranks saw the same batch"
+    grads = per_rank(r"rank (\d) step 0 gradient digest " + HEX, out)
+    assert grads[0] == grads[1], "DDP did not average the gradients"
+    params = per_rank(r"rank (\d) final parameter digest " + HEX, out)
+    assert params[0] == params[1]
+    assert "parameters identical across 2 ranks: True" in out
+
+
+@pytest.mark.slow
+def test_loss_averaging_equals_mean_of_rank_losses(tmp_path: Path) -> None:
+    out = script("loss_averaging.py", "--max-steps", "3", cwd=tmp_path)
+    rank_values: dict[int, dict[int, tuple[float, int]]] = {}
+    for m in re.finditer(r"rank (\d) step (\d+) loss " + NUM + r" n (\d+)", out):
+        rank_values.setdefault(int(m.group(2)), {})[int(m.group(1))] = (float(m.group(3)), int(m.group(4)))
+    reduced = {int(m.group(1)): tuple(map(float, m.group(2, 3, 4)))
+               for m in re.finditer(rf"step (\d+) mean {NUM} sum/world {NUM} weighted {NUM}", out)}
+    assert sorted(reduced) == sorted(rank_values) == [0, 1, 2], out
+    for step, (mean, by_hand, weighted) in reduced.items():
+        values = rank_values[step]
+        assert sorted(values) == [0, 1]
+        expect = sum(v for v, _ in values.values()) / 2
+        expect_weighted = sum(v * n for v, n in values.values()) / sum(n for _, n in values.values())
+        assert math.isclose(mean, expect, rel_tol=1e-6) and math.isclose(by_hand, expect, rel_tol=1e-6)
+        assert math.isclose(weighted, expect_weighted, rel_tol=1e-6)
+
+
+@pytest.mark.slow
+def test_broadcast_decision_and_the_rank_divergent_mistake(tmp_path: Path) -> None:
+    out = script("broadcast_decision.py", "--max-epochs", "5", "--stop-after", "2", "--show-mistake",
+                 "--ckpt-dir", str(tmp_path / "ckpt"), cwd=tmp_path)
+    lr = per_rank(r"rank (\d) lr " + NUM, out)
+    assert lr[0] == lr[1], "the hyperparameter differs across ranks"
+    # The message names both calls; its wording depends on who caught it (the collectives' own check
+    # or, under ddp_sync's collective guard, the guard with call sites), so only the facts are checked.
+    caught = per_rank(r"rank (\d) caught CollectiveMismatchError: ([^\n]*ranks entered different collectives[^\n]*)",
+                      out)
+    for (message,) in caught.values():
+        assert "rank 0" in message and "broadcast_object" in message and "gather_objects" in message, message
+    stopped = per_rank(r"rank (\d) stopped after (\d+) epochs", out)
+    assert stopped[0] == stopped[1] == ("2",), "ranks did not stop together at rank 0's decision"
+    assert (tmp_path / "ckpt" / "best.ckpt").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(ls, "ValidationGather"), reason="ls.ValidationGather has not landed on this branch")
+def test_exact_validation_counts_every_sample_once(tmp_path: Path) -> None:
+    out = script("exact_validation.py", "--size", "21", cwd=tmp_path)
+    rows = per_rank(r"rank (\d) gathered (\d+) rows, index == range\(N\): (True|False)", out)
+    assert rows[0] == rows[1] == ("21", "True")
+    metrics = per_rank(rf"rank (\d) padded: count (\d+) acc {NUM}; gathered: acc {NUM}", out)
+    assert metrics[0] == metrics[1]
+    count, _padded_acc, exact_acc = metrics[0]
+    assert count == "22", "Lightning's padded validation set should count one sample twice"
+    found = re.search(r"single-process accuracy over all 21 samples " + NUM, out)
+    assert found, out
+    reference = float(found.group(1))
+    assert math.isclose(float(exact_acc), reference, rel_tol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(ls, "SyncBatchNorm"), reason="ls.SyncBatchNorm has not landed on this branch")
+def test_syncbn_running_stats_are_union_statistics(tmp_path: Path) -> None:
+    out = script("syncbn.py", "--max-steps", "3", cwd=tmp_path)
+    stats = per_rank(r"rank (\d) (\w+) running_mean (\[[^\]]*\]) max error vs union statistics " + NUM, out)
+    for layer, mean, error in stats.values():
+        assert "SyncBatchNorm" in layer and float(error) < 1e-4, stats
+    assert stats[0][1] == stats[1][1]
+    assert "running statistics identical across 2 ranks: True" in out
+
+
+@pytest.mark.slow
+def test_local_sgd_ranks_identical_after_each_average(tmp_path: Path) -> None:
+    out = torchrun("local_sgd.py", "--max-steps", "5", "--k", "2", "--seed", "3", cwd=tmp_path)
+    averages: dict[int, dict[int, tuple[float, str]]] = {}
+    for m in re.finditer(rf"rank (\d) step (\d+) drift before average {NUM} digest after {HEX}", out):
+        averages.setdefault(int(m.group(2)), {})[int(m.group(1))] = (float(m.group(3)), m.group(4))
+    assert sorted(averages) == [2, 4, 5], out  # every k steps, and once more at the end
+    for step, ranks in averages.items():
+        assert sorted(ranks) == [0, 1]
+        assert ranks[0][1] == ranks[1][1], f"step {step}: weights differ after averaging"
+        assert ranks[0][0] > 0, f"step {step}: the replicas never drifted, so nothing was shown"
+    assert "all 2 ranks hold identical weights: True" in out
+
+
+@pytest.mark.slow
+def test_seeds_equal_where_needed_different_where_needed(tmp_path: Path) -> None:
+    out = script("seeds.py", "--epochs", "2", cwd=tmp_path)
+    seeds = per_rank(r"rank (\d) root seed (\d+)", out)
+    assert seeds[0] == seeds[1] == ("100",), "rank 1 (seeded 101) should follow rank 0's seed"
+    inits = per_rank(r"rank (\d) init digest " + HEX, out)
+    assert inits[0] == inits[1]
+    masks = per_rank(r"rank (\d) first dropout mask " + HEX, out)
+    assert masks[0] != masks[1], "ranks drew identical dropout masks"
+    seen = {r: ast.literal_eval(v[0]) for r, v in per_rank(r"rank (\d) seen (\[[^\]]*\])", out).items()}
+    for epoch in range(2):
+        shard0, shard1 = (seen[r][epoch * 8:(epoch + 1) * 8] for r in (0, 1))
+        assert sorted(shard0 + shard1) == list(range(16)), f"epoch {epoch}: shards overlap or miss samples"
+    for verdict in ("root seed agreed", "model init equal", "shards disjoint and complete every epoch",
+                    "dropout masks differ"):
+        assert f"{verdict}: True" in out
+
+
+@pytest.mark.slow
+def test_distributed_sampler_shards_and_set_epoch(tmp_path: Path) -> None:
+    out = torchrun("distributed_sampler.py", "--size", "12", "--epochs", "3", cwd=tmp_path)
+    orders: dict[tuple[bool, int, int], list[int]] = {}
+    for m in re.finditer(r"rank (\d) set_epoch (True|False) epoch (\d) indices (\[[^\]]*\])", out):
+        orders[(m.group(2) == "True", int(m.group(3)), int(m.group(1)))] = ast.literal_eval(m.group(4))
+    assert len(orders) == 2 * 3 * 2, out
+    for set_epoch in (True, False):
+        for epoch in range(3):
+            both = orders[(set_epoch, epoch, 0)] + orders[(set_epoch, epoch, 1)]
+            assert sorted(both) == list(range(12)), f"set_epoch={set_epoch} epoch {epoch}: not disjoint and complete"
+        for rank in (0, 1):
+            distinct = {tuple(orders[(set_epoch, e, rank)]) for e in range(3)}
+            assert len(distinct) == (3 if set_epoch else 1), f"set_epoch={set_epoch} rank {rank}: {distinct}"
+    assert "shuffle=True beside a sampler: ValueError: sampler option is mutually exclusive with shuffle" in out
+    assert "size 13 on 2 ranks: rank 0 gets 7 indices, 1 of them repeats" in out
+
+
+@pytest.mark.slow
+def test_init_process_group_env_and_file_rendezvous(tmp_path: Path) -> None:
+    for init, out in (("env", torchrun("init_process_group.py", cwd=tmp_path)),
+                      ("file", script("init_process_group.py", "--spawn", "2", cwd=tmp_path))):
+        reports = per_rank(rf"rank (\d)/2 backend (gloo|nccl) init {init}:// all_reduce sum {NUM} expected {NUM}", out)
+        assert all(r == ("gloo", "3.0", "3.0") for r in reports.values()), reports
+        per_rank(r"rank (\d) clean teardown", out)
+
+
+# ------------------------------------------------------------------ launch recipes (two-node test cluster)
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
 def test_recipes_open_with_their_commands() -> None:
     for recipe in sorted(RECIPES.glob("launch_*")):
         head = recipe.read_text().splitlines()[:12]
@@ -24,6 +247,8 @@ def test_recipes_open_with_their_commands() -> None:
         assert "set -euo pipefail" in recipe.read_text()
 
 
+@pytest.mark.cluster
+@pytest.mark.slow
 def test_torchrun_single_node(cluster: Cluster) -> None:
     out = cluster.run("n0", "bash", str(RECIPES / "launch_torchrun_single_node.sh"), "--timeout", "30",
                       env={**DOCTOR, "NPROC": "2"}, timeout=120)
@@ -31,6 +256,8 @@ def test_torchrun_single_node(cluster: Cluster) -> None:
     assert "launcher torchrun, 2 rank(s) on 1 node(s)" in out.stdout and "OK: 2 rank(s)" in out.stdout
 
 
+@pytest.mark.cluster
+@pytest.mark.slow
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_torchrun_multinode(cluster: Cluster, rdzv: str) -> None:
     port = "29560" if rdzv == "static" else "29570"
@@ -45,6 +272,8 @@ def test_torchrun_multinode(cluster: Cluster, rdzv: str) -> None:
     assert "veth-ls0 10.200.0.1" in head and "veth-ls1 10.200.0.2" in head  # each node's own interface
 
 
+@pytest.mark.cluster
+@pytest.mark.slow
 def test_slurm_sbatch(cluster: Cluster) -> None:
     job = cluster.sbatch(RECIPES / "launch_slurm.sbatch", "--timeout", "30", env=DOCTOR, timeout=150)
     assert job.exit_code == 0, job.output

@@ -1,0 +1,96 @@
+"""Broadcasting from rank 0: a hyperparameter, an early-stop decision, a checkpoint decision.
+
+    python recipes/broadcast_decision.py                                  # 2 CPU processes (gloo)
+    python recipes/broadcast_decision.py --accelerator gpu --devices 4    # 4 GPUs (NCCL)
+    python recipes/broadcast_decision.py --show-mistake                   # also run the classic mistake
+
+Rank 0 decides, `broadcast_object` hands the decision to everyone, then EVERY rank acts on it.
+The mistake: `if rank == 0: <collective>`. A collective completes only when every rank of the
+group has entered it; rank 0 waits inside, the others run on. Plain torch.distributed then hangs
+until the process-group timeout (30 min by default), or pairs rank 0's call with whatever
+collective the others reach next (garbage, or a gloo abort). lightning_sync's collectives compare
+call names first, so the same bug raises CollectiveMismatchError on every rank instead
+(--show-mistake runs it). The same holds for `trainer.should_stop` set on rank 0 only (rank 0 stops,
+the others wait in the next step's gradient all-reduce) and for `trainer.save_checkpoint`, which
+every rank must call (Lightning writes the file on rank 0 only).
+"""
+
+import argparse
+import secrets
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_sync as ls
+from lightning_sync.collectives import broadcast_object, gather_objects
+
+
+class Model(L.LightningModule):
+    def __init__(self, stop_after: int, ckpt_dir: str, show_mistake: bool) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.stop_after, self.ckpt_dir, self.show_mistake = stop_after, Path(ckpt_dir), show_mistake
+        self.best, self.epochs_run, self.last_loss = float("inf"), 0, 0.0
+
+    def setup(self, stage: str) -> None:
+        # A value only rank 0 has (OS entropy here; a search service or a file in real life).
+        lr = secrets.choice([0.01, 0.02, 0.05]) if self.global_rank == 0 else None
+        self.lr = broadcast_object(lr)
+        print(f"rank {self.global_rank} lr {self.lr}", flush=True)
+
+    def on_train_start(self) -> None:
+        if not self.show_mistake:
+            return
+        try:
+            if self.global_rank == 0:  # WRONG: only rank 0 enters this collective
+                broadcast_object("stop")
+            gather_objects(self.global_rank)  # the next collective every rank reaches
+        except ls.CollectiveMismatchError as err:  # raised on every rank, so they are in step again
+            print(f"rank {self.global_rank} caught CollectiveMismatchError: {err}", flush=True)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        self.last_loss = loss.item()
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.epochs_run += 1
+        decision = None
+        if self.global_rank == 0:  # rank 0 decides from what it alone sees: fine, no collective inside
+            decision = {"stop": self.epochs_run >= self.stop_after, "save": self.last_loss < self.best}
+            self.best = min(self.best, self.last_loss)
+        decision = broadcast_object(decision)  # every rank calls it
+        if decision["save"]:
+            self.trainer.save_checkpoint(self.ckpt_dir / "best.ckpt")  # every rank calls it
+        self.trainer.should_stop = decision["stop"]  # every rank stops at the same epoch
+
+    def on_train_end(self) -> None:
+        print(f"rank {self.global_rank} stopped after {self.epochs_run} epochs", flush=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--max-epochs", type=int, default=10)
+    p.add_argument("--stop-after", type=int, default=3, help="rank 0 stops the run after this many epochs")
+    p.add_argument("--ckpt-dir", default="checkpoints")
+    p.add_argument("--show-mistake", action="store_true")
+    args = p.parse_args()
+
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=16)
+    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy="ddp_sync",
+                        max_epochs=args.max_epochs, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Model(args.stop_after, args.ckpt_dir, args.show_mistake), loader)
+
+
+if __name__ == "__main__":
+    main()

@@ -83,7 +83,7 @@ _MATCH: dict[str, tuple[tuple[int, str] | None, tuple[int, str] | None]] = {
 _SEP = "\x1f"
 _CLOSING = "end of guarded block"
 _RS = "\x1e"  # separates the sequence number from the record in sampled mode
-_generation = 0  # bumped by every install, in the same order on every rank: keeps store keys apart
+_generation = 0  # rank 0's count of installs (see install): keeps store keys apart
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -281,7 +281,12 @@ class CollectiveGuard:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("CollectiveGuard.install: torch.distributed is not initialised; call "
                                "dist.init_process_group first.")
-        _generation += 1
+        # Every install needs fresh store keys (torchrun's store outlives a process group), and every
+        # rank must use the same ones: a Hydra sweep's rank 0 has installed once per job, its other
+        # ranks are new processes each job. So rank 0's count wins (one unguarded broadcast).
+        generation = torch.tensor([_generation + 1], dtype=torch.int64, device=collectives._comm_device(None))
+        dist.broadcast(generation, src=0)
+        _generation = int(generation.item())
         self.context = context
         self._rank = dist.get_rank()
         self._seq = {}
@@ -416,7 +421,10 @@ class CollectiveGuard:
                 is_lib = lib[code] = (code.co_filename.startswith(self._lib_dirs)
                                       and code.co_filename not in _ENTRY_POINTS)
             if not is_lib:
-                site = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}"
+                filename = code.co_filename
+                if filename.startswith("<"):  # code rebuilt by cloudpickle (submitit): its module still knows
+                    filename = str(frame.f_globals.get("__file__") or filename)
+                site = f"{os.path.basename(filename)}:{frame.f_lineno} {code.co_name}"
                 break
             if metric is None and code.co_name == "compute" and code.co_filename.endswith("result.py"):
                 # Lightning syncing a logged metric: its name is what tells two epoch-end reductions apart

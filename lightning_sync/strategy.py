@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.collectives import MAX_SEED
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
+from lightning_sync.peers import Peer, gather_peers, lost_peer_message
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
 
 __all__ = ["SyncDDPStrategy"]
@@ -71,6 +72,7 @@ class SyncDDPStrategy(DDPStrategy):
         self._lineage: SeedLineage | None = None
         self._pending_checkpoint_state: dict[str, Any] | None = None
         self._failed = False
+        self._peers: list[Peer] = []
 
     @property
     def seed(self) -> int | None:
@@ -94,6 +96,7 @@ class SyncDDPStrategy(DDPStrategy):
         if self._guard is not None and self._get_process_group_backend() == "nccl":
             configure_nccl_flight_recorder()  # read by NCCL at process-group creation: set it first
         super().setup_distributed()
+        self._peers = gather_peers()  # host and address per rank: names a lost peer (on_exception)
         if self._guard is not None:
             self._guard.install(context=lambda: getattr(self._lightning_module, "_current_fx_name", None))
         self._failed = False
@@ -176,6 +179,9 @@ class SyncDDPStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        lost = lost_peer_message(exception, self._peers, self.global_rank)
+        if lost:  # gloo only names an address: say which rank(s) that is
+            log.error("lightning_sync: %s", lost)
         super().on_exception(exception)
 
     @override

@@ -57,11 +57,11 @@ def summary(run_dir: Path, output: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def reference(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One node, 4 processes (Lightning spawns them, loopback), same seed: the accuracy to match."""
+    """One node, 4 processes (torchrun --standalone, loopback), same seed: the accuracy to match."""
     run = tmp_path_factory.mktemp("reference")
     before = link_bytes(cluster)
-    out = cluster.run("n0", "lsync-train", "trainer.devices=4", "trainer.num_nodes=1", f"seed={SEED}", *TRAIN,
-                      f"hydra.run.dir={run}", timeout=240)
+    out = cluster.run("n0", "bash", str(RECIPES / "launch_torchrun_single_node.sh"), f"seed={SEED}", *TRAIN,
+                      f"hydra.run.dir={run}", env={"NPROC": "4"}, timeout=240)
     assert out.returncode == 0, out.stdout[-6000:]
     result = summary(run, out.stdout)
     assert result["world_size"] == 4 and result["seed"] == SEED and result["val_size"] == 359

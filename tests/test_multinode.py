@@ -67,7 +67,8 @@ def reference(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> dic
     assert result["world_size"] == 4 and result["seed"] == SEED and result["val_size"] == 359
     assert result["val_acc"] > 0.5, result  # it learned something: equal accuracies mean something
     result["link_bytes"] = link_bytes(cluster) - before  # a control: one node, nothing on the link
-    print(f"reference 1 node x 4: val acc {result['val_acc']!r} ({out.seconds:.1f} s)")
+    print(f"reference 1 node x 4: val acc {result['val_acc']!r}, {result['link_bytes']} bytes on veth "
+          f"({out.seconds:.1f} s)")
     return result
 
 
@@ -138,6 +139,8 @@ def test_submitit_slurm_multirun_two_jobs_two_nodes_each(cluster: Cluster, tmp_p
     # job 0 is the reference's run; both jobs' traffic counts, so ask for twice the gradients
     check_two_node_run(sweep / "0", out.stdout, reference, (link_bytes(cluster) - before) // 2, grad_bytes)
     assert {int(p.stem.removeprefix("rank")) for p in (sweep / "1").glob("rank*.log")} == {0, 1, 2, 3}
+    # submitit returns once the results are written; the batch steps end a moment later
+    assert _wait_idle(cluster, 60), {**_node_pids(cluster, "n0"), **_node_pids(cluster, "n1")}
 
 
 # ------------------------------------------------------------------ a rank dies
@@ -158,6 +161,17 @@ def _node_pids(cluster: Cluster, node: str) -> dict[int, str]:
     return procs
 
 
+def _wait_idle(cluster: Cluster, timeout: float) -> bool:
+    """Wait until SLURM has no job and the nodes run nothing but its daemons."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (not cluster.run("n0", "squeue", "-h", timeout=20).stdout.strip()
+                and not _node_pids(cluster, "n0") and not _node_pids(cluster, "n1")):
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def _rank_of(pid: int) -> int | None:
     try:
         env = dict(line.split("=", 1) for line in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in line)
@@ -168,7 +182,7 @@ def _rank_of(pid: int) -> int | None:
 
 def test_sigkilled_rank_takes_every_process_down_by_name(cluster: Cluster, tmp_path: Path) -> None:
     run = tmp_path / "killed"
-    assert not _node_pids(cluster, "n0") and not _node_pids(cluster, "n1"), "leftovers from an earlier test"
+    assert _wait_idle(cluster, 60), "leftovers from an earlier test"
     before = link_bytes(cluster)
     procs = [cluster.start(node, "bash", str(RECIPES / "launch_torchrun_multinode.sh"), f"seed={SEED}",
                            "trainer.max_epochs=1000", *TRAIN[1:], f"hydra.run.dir={run}", timeout=300,

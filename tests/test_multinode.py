@@ -52,7 +52,8 @@ def link_bytes(cluster: Cluster) -> int:
 def summary(run_dir: Path, output: str) -> dict[str, Any]:
     path = run_dir / "summary.json"
     assert path.exists(), f"no {path}; output:\n{output[-6000:]}"
-    return json.loads(path.read_text())
+    result: dict[str, Any] = json.loads(path.read_text())
+    return result
 
 
 @pytest.fixture(scope="module")

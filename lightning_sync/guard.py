@@ -409,7 +409,11 @@ class CollectiveGuard:
             code = frame.f_code
             is_lib = lib.get(code)
             if is_lib is None:
-                is_lib = lib[code] = code.co_filename.startswith(self._lib_dirs)
+                # entry points count as library: rank 0 started as a console script (`lsync-train`) and
+                # ranks spawned with `python -m` have different outermost frames for the same call
+                is_lib = lib[code] = (code.co_filename.startswith(self._lib_dirs)
+                                      or code.co_filename == "<frozen runpy>"
+                                      or (code.co_name == "<module>" and frame.f_back is None))
             if not is_lib:
                 site = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}"
                 break

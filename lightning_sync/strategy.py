@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import signal
+import threading
 from typing import Any
 
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from typing_extensions import override
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.collectives import MAX_SEED
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
+from lightning_sync.peers import Peer, gather_peers, lost_peer_message
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
 
 __all__ = ["SyncDDPStrategy"]
@@ -71,6 +74,7 @@ class SyncDDPStrategy(DDPStrategy):
         self._lineage: SeedLineage | None = None
         self._pending_checkpoint_state: dict[str, Any] | None = None
         self._failed = False
+        self._peers: list[Peer] = []
 
     @property
     def seed(self) -> int | None:
@@ -94,6 +98,7 @@ class SyncDDPStrategy(DDPStrategy):
         if self._guard is not None and self._get_process_group_backend() == "nccl":
             configure_nccl_flight_recorder()  # read by NCCL at process-group creation: set it first
         super().setup_distributed()
+        self._peers = gather_peers()  # host and address per rank: names a lost peer (on_exception)
         if self._guard is not None:
             self._guard.install(context=lambda: getattr(self._lightning_module, "_current_fx_name", None))
         self._failed = False
@@ -139,6 +144,29 @@ class SyncDDPStrategy(DDPStrategy):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._unguard_on_sigterm()
+
+    def _unguard_on_sigterm(self) -> None:
+        # Lightning's SIGTERM handler (installed after strategy.setup) broadcasts from rank 0. When a
+        # peer died, torchrun SIGTERMs the survivors, and a guarded broadcast would wait for ranks that
+        # are gone until the launcher's SIGKILL (30 s). Stop guarding first; unguarded, gloo fails at once.
+        if self._guard is None or threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if not callable(previous) or getattr(previous, "_lsync_unguard", False):
+            return
+        guard = self._guard
+
+        def handler(signum: int, frame: Any) -> None:
+            guard.uninstall()
+            previous(signum, frame)
+
+        handler._lsync_unguard = True  # type: ignore[attr-defined]
+        signal.signal(signal.SIGTERM, handler)  # Lightning's teardown restores the original handler
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         if self._lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
             dataloader.worker_init_fn = WorkerSeeder(self._lineage.root, self.global_rank)  # type: ignore[attr-defined]
@@ -176,6 +204,14 @@ class SyncDDPStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        lost = lost_peer_message(exception, self._peers, self.global_rank)
+        if lost:  # gloo only names an address: say which rank(s) that is
+            log.error("lightning_sync: %s", lost)
+        if self._guard is not None:
+            # No checked collectives after a failure: Lightning's SIGTERM handler broadcasts during
+            # teardown, and the guard would wait for peers that are gone until the launcher's SIGKILL
+            # (30 s under torchrun); unguarded, gloo fails at once.
+            self._guard.uninstall()
         super().on_exception(exception)
 
     @override

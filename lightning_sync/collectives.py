@@ -440,6 +440,16 @@ def gather_uneven(tensor: Tensor, dst: int = 0, group: dist.ProcessGroup | None 
     return rows.to(tensor.device), counts
 
 
+def _source_record(fn: str, src: int, records: list[list[int]], group: dist.ProcessGroup | None) -> list[int]:
+    """Check that every rank entered ``fn`` with the same ``src`` (a group member); return ``src``'s record."""
+    ranks = _check_same_call(fn, records, group)
+    _raise_if_differs(fn, "src", {r: rec[_I_ARG] for r, rec in zip(ranks, records)},
+                      "Pass the same src on every rank.")
+    if src not in ranks:
+        raise ValueError(f"{fn}: src={src} is not a rank of the group (its global ranks: {ranks}).")
+    return records[ranks.index(src)]
+
+
 def _to_bytes(obj: Any) -> Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
 
@@ -467,12 +477,7 @@ def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = N
     rank = dist.get_rank()
     payload = _to_bytes(obj) if rank == src else None
     records = _exchange(_record(fn, arg=src, payload=payload.numel() if payload is not None else _NONE), group, device)
-    ranks = _check_same_call(fn, records, group)
-    _raise_if_differs(fn, "src", {r: rec[_I_ARG] for r, rec in zip(ranks, records)},
-                      "Pass the same src on every rank.")
-    if src not in ranks:
-        raise ValueError(f"broadcast_object: src={src} is not a rank of the group (its global ranks: {ranks}).")
-    size = records[ranks.index(src)][_I_PAYLOAD]
+    size = _source_record(fn, src, records, group)[_I_PAYLOAD]
     buf = payload.to(device) if payload is not None else torch.empty(size, dtype=torch.uint8, device=device)
     dist.broadcast(buf, src=src, group=group)
     return obj if rank == src else _from_bytes(buf)
@@ -553,12 +558,7 @@ def broadcast_seed(seed: int | None = None, src: int = 0, group: dist.ProcessGro
     # -1: no seed; -2: out of range (reported once every rank knows). Seeds ride in the record itself.
     aux = _NONE if seed is None else (seed if 0 <= seed <= MAX_SEED else -2)
     records = _exchange(_record(fn, arg=src, aux=aux), group, _comm_device(group))
-    ranks = _check_same_call(fn, records, group)
-    _raise_if_differs(fn, "src", {r: rec[_I_ARG] for r, rec in zip(ranks, records)},
-                      "Pass the same src on every rank.")
-    if src not in ranks:
-        raise ValueError(f"broadcast_seed: src={src} is not a rank of the group (its global ranks: {ranks}).")
-    chosen = records[ranks.index(src)][_I_AUX]
+    chosen = _source_record(fn, src, records, group)[_I_AUX]
     if chosen == -2:
         raise ValueError(f"broadcast_seed: rank {src}'s seed is outside [0, {MAX_SEED}]"
                          + (f": {seed}" if rank == src else "") + ". Pick a seed in that range.")

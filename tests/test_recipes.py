@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-import lightning_sync as ls
 from tests.cluster import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,7 +149,6 @@ def test_broadcast_decision_and_the_rank_divergent_mistake(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not hasattr(ls, "ValidationGather"), reason="ls.ValidationGather has not landed on this branch")
 def test_exact_validation_counts_every_sample_once(tmp_path: Path) -> None:
     out = script("exact_validation.py", "--size", "21", cwd=tmp_path)
     rows = per_rank(r"rank (\d) gathered (\d+) rows, index == range\(N\): (True|False)", out)
@@ -166,7 +164,6 @@ def test_exact_validation_counts_every_sample_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not hasattr(ls, "SyncBatchNorm"), reason="ls.SyncBatchNorm has not landed on this branch")
 def test_syncbn_running_stats_are_union_statistics(tmp_path: Path) -> None:
     out = script("syncbn.py", "--max-steps", "3", cwd=tmp_path)
     stats = per_rank(r"rank (\d) (\w+) running_mean (\[[^\]]*\]) max error vs union statistics " + NUM, out)

@@ -41,6 +41,7 @@ __all__ = [
     "gather_objects",
     "gather_uneven",
     "is_distributed",
+    "validate_seed",
     "MAX_SEED",
 ]
 
@@ -530,9 +531,12 @@ def gather_objects(obj: Any, dst: int | None = None, group: dist.ProcessGroup | 
     return [_from_bytes(chunk[:size]) for chunk, size in zip(chunks, sizes)]
 
 
-def _check_seed(seed: int | None) -> None:
+def validate_seed(seed: int | None, what: str = "seed", check_range: bool = True) -> None:
+    """Raise TypeError unless ``seed`` is an int or None, ValueError if it is outside ``[0, MAX_SEED]``."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"seed must be an int or None; got {type(seed).__name__} {seed!r}.")
+        raise TypeError(f"{what} must be an int or None; got {type(seed).__name__} {seed!r}.")
+    if check_range and seed is not None and not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"{what} must be in [0, {MAX_SEED}]; got {seed}.")
 
 
 def broadcast_seed(seed: int | None = None, src: int = 0, group: dist.ProcessGroup | None = None) -> int:
@@ -548,9 +552,13 @@ def broadcast_seed(seed: int | None = None, src: int = 0, group: dist.ProcessGro
         ValueError: ``src``'s seed is outside ``[0, 2**32 - 1]`` (raised on every rank).
         RankMismatchError: ranks passed different ``src``.
     """
-    _check_seed(seed)
+    # Only src's seed counts, and its range is checked once every rank knows it (below): a local
+    # ValueError on one rank would leave the others waiting.
+    validate_seed(seed, check_range=False)
     if not is_distributed(group):
-        return _validated_seed(seed if seed is not None else secrets.randbelow(MAX_SEED + 1), "seed")
+        seed = seed if seed is not None else secrets.randbelow(MAX_SEED + 1)
+        validate_seed(seed)
+        return seed
     fn = "broadcast_seed"
     rank = dist.get_rank()
     if rank == src and seed is None:
@@ -563,9 +571,3 @@ def broadcast_seed(seed: int | None = None, src: int = 0, group: dist.ProcessGro
         raise ValueError(f"broadcast_seed: rank {src}'s seed is outside [0, {MAX_SEED}]"
                          + (f": {seed}" if rank == src else "") + ". Pick a seed in that range.")
     return int(chosen)
-
-
-def _validated_seed(seed: int, what: str) -> int:
-    if not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"{what} must be in [0, {MAX_SEED}]; got {seed}.")
-    return seed

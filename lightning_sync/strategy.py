@@ -21,7 +21,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
-from lightning_sync.collectives import MAX_SEED
+from lightning_sync.collectives import validate_seed
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
@@ -58,10 +58,7 @@ class SyncDDPStrategy(DDPStrategy):
 
     def __init__(self, *args: Any, seed: int | None = None, guard: bool | CollectiveGuard = True,
                  guard_timeout: float | None = None, uneven_batches: str = "error", **kwargs: Any) -> None:
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"SyncDDPStrategy(seed=...) must be an int or None; got {type(seed).__name__} {seed!r}.")
-        if seed is not None and not 0 <= seed <= MAX_SEED:
-            raise ValueError(f"SyncDDPStrategy(seed={seed}): the seed must be in [0, {MAX_SEED}].")
+        validate_seed(seed, "SyncDDPStrategy(seed=...)")
         if uneven_batches not in ("error", "stop_together"):
             raise ValueError(f"SyncDDPStrategy(uneven_batches={uneven_batches!r}): use 'error' or 'stop_together'.")
         super().__init__(*args, **kwargs)

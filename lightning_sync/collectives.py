@@ -66,10 +66,18 @@ _MAGIC = 0x4C53594E  # "LSYN"
 _I_CALL, _I_ARG, _I_DTYPE, _I_DEVICE, _I_NDIM, _I_DIMS = 1, 2, 3, 4, 5, 6
 _I_PAYLOAD = _I_DIMS + _MAX_DIMS
 _I_AUX = _I_PAYLOAD + 1
-_META_LEN = _I_AUX + 1
+_I_SITE = _I_AUX + 1  # the collective guard's token for this call (op + call site), 0 without a guard
+_META_LEN = _I_SITE + 1
 _NONE = -1
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); same semantics.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather_single(output: Tensor, input: Tensor, group: dist.ProcessGroup | None = None) -> None:
+    # Looked up at call time: while a collective guard is installed, the namespace's function lets a
+    # rank blocked here still raise the guard's error.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
 
 
 def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
@@ -130,21 +138,27 @@ def _record(call: str, *, arg: int = _NONE, tensor: Tensor | None = None, payloa
 
 
 #: Set by :mod:`lightning_sync.guard` while a collective guard is active: called with the collective's
-#: name and group before its metadata exchange, so a rank that entered a different collective, or none,
-#: is reported (with call sites) instead of hanging here. Shapes and arguments are still checked below,
-#: with the more specific RankMismatchError.
+#: name and group before its metadata exchange; returns a token of the call (op + call site) that
+#: travels in the exchange, so ranks calling from different places are stopped before the payload
+#: moves (``_guard_explain(name, group, tokens_by_rank)`` builds that error). Shapes and arguments
+#: are still checked below, with the more specific RankMismatchError.
 _guard_hook: Any = None
+_guard_explain: Any = None
 
 
 def _exchange(record: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
     """All-gather one fixed-size record per rank. Same size everywhere, so it can never abort gloo."""
     if _guard_hook is not None:
-        _guard_hook(_CALLS[record[_I_CALL]], group)
+        record[_I_SITE] = _guard_hook(_CALLS[record[_I_CALL]], group)
     world = dist.get_world_size(group)
     mine = torch.tensor(record, dtype=torch.int64, device=device)
     out = torch.empty(world * _META_LEN, dtype=torch.int64, device=device)
     _all_gather_single(out, mine, group=group)
-    return out.view(world, _META_LEN).tolist()
+    records = out.view(world, _META_LEN).tolist()
+    tokens = [rec[_I_SITE] for rec in records]
+    if _guard_explain is not None and len(set(tokens)) > 1 and min(tokens) > 0:
+        raise _guard_explain(_CALLS[record[_I_CALL]], group, dict(zip(_global_ranks(group), tokens)))
+    return records
 
 
 def _global_ranks(group: dist.ProcessGroup | None) -> list[int]:

@@ -66,7 +66,8 @@ class SyncDDPStrategy(DDPStrategy):
         self._guard: CollectiveGuard | None = (
             guard if isinstance(guard, CollectiveGuard) else CollectiveGuard() if guard else None)
         if self._guard is not None and guard_timeout is not None:
-            self._guard.timeout = self._guard.hang_timeout = CollectiveGuard(timeout=guard_timeout).timeout
+            # hang_timeout follows timeout unless the user set it on their own guard
+            self._guard.timeout = CollectiveGuard(timeout=guard_timeout).timeout
         self.uneven_batches = uneven_batches
         self._lineage: SeedLineage | None = None
         self._pending_checkpoint_state: dict[str, Any] | None = None
@@ -96,8 +97,9 @@ class SyncDDPStrategy(DDPStrategy):
             configure_nccl_flight_recorder()  # read by NCCL at process-group creation: set it first
         super().setup_distributed()
         self._peers = gather_peers()  # host and address per rank: names a lost peer (on_exception)
-        if self._guard is not None:
-            self._guard.install(context=lambda: getattr(self._lightning_module, "_current_fx_name", None))
+        if self._guard is not None and not self._guard.install_if_real(
+                context=lambda: getattr(self._lightning_module, "_current_fx_name", None)):
+            self._guard = None
         self._failed = False
         self._lineage = SeedLineage.agree(self._seed_arg)
         rank_zero_info(self._lineage.describe())

@@ -42,8 +42,9 @@ class SyncDDPStrategy(DDPStrategy):
         guard: check every collective across ranks before it runs, and the classic DDP mistakes
             (see ``docs/guard.md``). ``False`` turns it off; a :class:`~lightning_sync.CollectiveGuard`
             sets its options.
-        guard_timeout: seconds a rank waits for the others to reach the same collective before
-            raising ``CollectiveMismatchError`` (default 120; overrides the guard object's value).
+        guard_timeout: seconds without progress (a rank missing from a collective, a frozen rank)
+            before the guard raises (default 120; sets the guard object's ``timeout``, not a
+            ``hang_timeout`` set on it).
         uneven_batches: what to do when ranks have different numbers of training batches (a rank
             with more would hang in DDP's all-reduce): ``"error"`` raises at epoch start;
             ``"stop_together"`` ends every rank's epoch when the shortest rank runs out.

@@ -161,3 +161,15 @@ def test_report_of_lost_and_stopped_ranks() -> None:
     dead = report.lost({1: "process 7 on h ended"}, RuntimeError("Connection closed by peer"), "while waiting")
     assert "rank(s) 1 died" in str(dead) and "Connection closed by peer" in str(dead)
     assert report.stall(3, 5, 0, mine, 6, [report.PeerState(1, "same", at=mine)]) is None
+
+
+def test_a_rank_that_stopped_guarding_is_not_called_frozen() -> None:
+    group = ranks(2, timeout=0.05)
+    for r in group:
+        r.call("barrier", match="")
+    turns(group)
+    group[1].monitor.leave()  # its guarded block ended; rank 0 computes on
+    time.sleep(0.1)
+    group[0].monitor.turn()
+    group[0].monitor.turn()
+    assert group[0].monitor.failure is None

@@ -82,7 +82,9 @@ class CallSites:
 
     def __init__(self, context: Callable[[], str | None] | None = None) -> None:
         self._lib_dirs = _library_dirs()
-        self._is_lib: dict[Any, bool] = {}
+        self._is_lib: dict[int, bool] = {}
+        self._codes: list[Any] = []
+        self._text: dict[tuple[int, int], str] = {}
         self.context = context
 
     def find(self, frame: Any) -> str:
@@ -91,15 +93,21 @@ class CallSites:
         site = "?"
         while frame is not None:
             code = frame.f_code
-            is_lib = lib.get(code)
+            # keyed by id: hashing a code object hashes its contents (microseconds); the code objects
+            # are kept alive in _codes so an id is never reused for another one
+            is_lib = lib.get(id(code))
             if is_lib is None:
-                is_lib = lib[code] = (code.co_filename.startswith(self._lib_dirs)
-                                      and code.co_filename not in _ENTRY_POINTS)
+                self._codes.append(code)
+                is_lib = lib[id(code)] = (code.co_filename.startswith(self._lib_dirs)
+                                          and code.co_filename not in _ENTRY_POINTS)
             if not is_lib:
-                filename = code.co_filename
-                if filename.startswith("<"):  # code rebuilt by cloudpickle (submitit): its module still knows
-                    filename = str(frame.f_globals.get("__file__") or filename)
-                site = f"{os.path.basename(filename)}:{frame.f_lineno} {code.co_name}"
+                key = (id(code), frame.f_lineno)
+                site = self._text.get(key)  # type: ignore[assignment]
+                if site is None:
+                    filename = code.co_filename
+                    if filename.startswith("<"):  # code rebuilt by cloudpickle (submitit): its module still knows
+                        filename = str(frame.f_globals.get("__file__") or filename)
+                    site = self._text[key] = f"{os.path.basename(filename)}:{frame.f_lineno} {code.co_name}"
                 break
             if metric is None and code.co_name == "compute" and code.co_filename.endswith("result.py"):
                 # Lightning syncing a logged metric: its name tells two epoch-end reductions apart
@@ -107,7 +115,7 @@ class CallSites:
                 metric = getattr(meta, "name", None)
             frame = frame.f_back
         hook = self.context() if self.context is not None else None
-        if hook and not site.endswith(" " + hook):
+        if hook and not site.endswith(hook):
             site += f" [{hook}]"
         if metric:
             site += f" (metric {metric!r})"

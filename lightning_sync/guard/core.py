@@ -9,6 +9,8 @@ watchdog thread (:mod:`~lightning_sync.guard.watchdog`) through the store protoc
 from __future__ import annotations
 
 import atexit
+import os
+import pickle
 import sys
 import threading
 import time
@@ -250,7 +252,7 @@ class CollectiveGuard:
             collectives._guard_explain = None
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
-            monitor.stop()
+            monitor.leave()
         _active.discard(self)
 
     def watch_module(self, module: torch.nn.Module) -> None:
@@ -407,12 +409,29 @@ class CollectiveGuard:
                     stream.write(f"[lightning_sync guard] rank {self._rank}: its last collectives:\n  "
                                  + "\n  ".join(history) + "\n")
                 if stack:
+                    recorded = _flight_recorder_tail()
+                    if recorded:
+                        stream.write(f"[lightning_sync guard] rank {self._rank}: torch's flight recorder, last "
+                                     "collectives (DDP's C++ ones included):\n  " + "\n  ".join(recorded) + "\n")
                     stream.write(f"[lightning_sync guard] rank {self._rank}: Python stacks of every thread:\n")
                     stream.flush()
                     dump_stacks(stream)
                 stream.flush()
             except (OSError, ValueError):
                 pass
+
+
+def _flight_recorder_tail(n: int = 4) -> list[str]:
+    """The last entries of torch's flight recorder, when the user turned it on (TORCH_FR_BUFFER_SIZE)."""
+    if not (os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        return []
+    try:
+        c10d: Any = torch._C._distributed_c10d  # private, and absent from some builds: best effort
+        entries = pickle.loads(c10d._dump_fr_trace(False, True, False)).get("entries", [])
+    except Exception:  # noqa: BLE001 - a diagnostic extra must never fail the report
+        return []
+    return [f"seq {e.get('collective_seq_id')} {e.get('profiling_name')} in {e.get('input_sizes')} "
+            f"{e.get('input_dtypes')} state={e.get('state')}" for e in entries[-n:]]
 
 
 def _side_store(prefix: str, timeout: float) -> Any:

@@ -55,16 +55,38 @@ def decode(text: str) -> list[Fingerprint]:
     return out
 
 
+_described: dict[Any, str] = {}
+
+
 def describe_tensor(t: Any) -> str:
     if isinstance(t, Tensor):
-        return f"{str(t.dtype).removeprefix('torch.')}[{', '.join(map(str, t.shape))}]"
+        key = (t.dtype, t.shape)
+        text = _described.get(key)
+        if text is None:
+            if len(_described) > 4096:
+                _described.clear()
+            text = _described[key] = f"{str(t.dtype).removeprefix('torch.')}[{', '.join(map(str, t.shape))}]"
+        return text
     if isinstance(t, (list, tuple)):
         return f"{len(t)} x " + (describe_tensor(t[0]) if t else "[]")
     return type(t).__name__
 
 
+_op_names: dict[Any, str] = {}
+
+
 def op_name(op: Any) -> str:
-    return str(op).rsplit(".", 1)[-1].lower() if op is not None else "sum"
+    if op is None:
+        return "sum"
+    try:
+        return _op_names[op]
+    except (KeyError, TypeError):
+        name = str(op).rsplit(".", 1)[-1].lower()
+        try:
+            _op_names[op] = name
+        except TypeError:
+            pass
+        return name
 
 
 class Recorder:

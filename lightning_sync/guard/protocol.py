@@ -142,6 +142,12 @@ class Exchange:
                 "ring": {s: encode(r) for s, r in rings.items()}}
         self._call(self.store.set, f"h/{self.rank}", json.dumps(beat))
 
+    def leave(self) -> None:
+        """Say this rank stopped guarding on purpose (its heartbeat stops; it is not frozen)."""
+        self._beat += 1
+        self._call(self.store.set, f"h/{self.rank}", json.dumps({"beat": self._beat, "time": time.time(),
+                                                                **self.identity, "done": True}))
+
     def post_abort(self, message: str) -> None:
         self._call(self.store.set, f"abort/{self.rank}", message)
         self._call(self.store.add, "abort", 1)
@@ -160,7 +166,8 @@ class Exchange:
             if self._world_keys_ready:
                 aborts, count, beat = self._call(store.multi_get, keys)
                 self._fetch("w", nbr, int(count))
-                self._track_beat(json.loads(beat)["beat"])
+                heartbeat = json.loads(beat)
+                self._track_beat(-1 if heartbeat.get("done") else heartbeat["beat"])
                 n_aborts = int(aborts)
             else:
                 n_aborts = int(self._call(store.add, "abort", 0))
@@ -180,7 +187,9 @@ class Exchange:
         return result
 
     def _track_beat(self, beat: int) -> None:
-        if beat != self._nbr_beat[0]:
+        if beat == -1:  # it stopped guarding on purpose: silence is expected
+            self._nbr_beat = (-1, time.monotonic())
+        elif beat != self._nbr_beat[0]:
             self._nbr_beat = (beat, time.monotonic())
 
     def _fetch(self, stream: str, other: int, count: int) -> None:

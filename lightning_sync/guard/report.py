@@ -53,6 +53,9 @@ def _state_text(s: PeerState, seq: int) -> str:
     if s.status in ("same", "different", "ahead"):
         assert s.at is not None
         return f"rank {s.rank} {s.at.describe()}" + (" (it is further on)" if s.status == "ahead" else "")
+    if s.status == "behind" and s.detail == "left":
+        last = f"; its last collective was #{s.last.seq} {s.last.describe()}" if s.last is not None else ""
+        return f"rank {s.rank} never reached it: it has stopped guarding (left its guarded block or torn down){last}"
     if s.status == "behind":
         if s.last is None:
             text = f"rank {s.rank} never reached it and has issued no guarded collective yet"

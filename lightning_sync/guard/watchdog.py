@@ -64,6 +64,7 @@ class Monitor:
         self._lock = threading.Lock()
         self._failure: BaseException | None = None
         self._failed_at = 0.0
+        self._may_exit = True
         self.picked_up = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -96,6 +97,14 @@ class Monitor:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
 
+    def leave(self) -> None:
+        """Stop for good and tell the others this rank stopped guarding on purpose."""
+        self.stop()
+        try:
+            self.exchange.leave()
+        except StoreUnavailable:
+            pass
+
     def _before_fork(self) -> None:
         if self._thread is not None:
             self._paused = True
@@ -123,12 +132,13 @@ class Monitor:
 
     # ---------------------------------------------------------------- one turn
 
-    def fail(self, error: BaseException, post: bool = True, stack: bool = True) -> None:
+    def fail(self, error: BaseException, post: bool = True, stack: bool = True, may_exit: bool = True) -> None:
         with self._lock:
             if self._failure is not None:
                 return
             self._failure = error
             self._failed_at = time.monotonic()
+            self._may_exit = may_exit
         if post:
             try:
                 self.exchange.post_abort(f"{type(error).__name__}: {error}")
@@ -185,10 +195,10 @@ class Monitor:
         if now - self._store_lost_since > min(self.timeout, 5.0) and self._failure is None:
             self.fail(LightningSyncError(
                 f"rank {self.exchange.rank}: the rendezvous store stopped answering ({err}); the rank hosting it "
-                "(rank 0, or the launcher's agent) is gone, so the run cannot continue."), post=False)
+                "(rank 0, or the launcher's agent) is gone, so the run cannot continue."), post=False, may_exit=False)
 
     def _maybe_exit(self) -> None:
-        if self._failure is None or self.picked_up or self._stop.is_set():
+        if self._failure is None or self.picked_up or self._stop.is_set() or not self._may_exit:
             return
         if time.monotonic() - self._failed_at > self.grace:
             self._write(f"[lightning_sync guard] rank {self.exchange.rank}: the failure above was not picked up by "
@@ -213,6 +223,10 @@ class Monitor:
                 continue
             if beat is None:
                 states.append(report.PeerState(r, "absent"))
+                continue
+            if beat.get("done"):
+                last = decode(beat.get("ring", {}).get(stream, ""))
+                states.append(report.PeerState(r, "behind", last=last[-1] if last else None, detail="left"))
                 continue
             age = now - float(beat["time"])
             where = f"process {beat['pid']} on {beat['host']}"

@@ -787,6 +787,13 @@ def spawn_local(args: argparse.Namespace, argv: list[str]) -> int:
     if launch.problems:
         print("lsync-doctor: cannot start:\n" + _render_problems(launch.problems), file=sys.stderr)
         return 1
+    try:  # before starting anything: every rank would only fail the same way
+        _resolve(launch.master_addr)
+    except OSError as err:
+        print(f"lsync-doctor: cannot start: MASTER_ADDR={launch.master_addr!r} does not resolve ({err.strerror}).\n"
+              "   Fix: use node 0's IP address, or a name every node resolves (DNS or /etc/hosts); for one machine "
+              "unset MASTER_ADDR (127.0.0.1).", file=sys.stderr)
+        return 1
     os.environ["MASTER_ADDR"] = launch.master_addr
     os.environ["MASTER_PORT"] = str(launch.master_port or _free_port())
     os.environ["NODE_RANK"] = str(launch.node_rank)

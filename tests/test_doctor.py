@@ -236,6 +236,6 @@ def test_unresolvable_master_addr_fails_fast_with_the_right_hint() -> None:
     out = _run([*DOCTOR, "--devices", "2"], timeout=60, MASTER_ADDR="no-such-host.invalid")
     took = time.monotonic() - start
     assert out.returncode != 0, out.stdout
-    assert "cannot resolve MASTER_ADDR='no-such-host.invalid'" in out.stdout, out.stdout
+    assert "MASTER_ADDR='no-such-host.invalid' does not resolve" in out.stdout, out.stdout
     assert "pick another free port" not in out.stdout and "frame #" not in out.stdout, out.stdout
     assert took < 30, (took, out.stdout)  # was 51 s

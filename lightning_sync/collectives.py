@@ -68,8 +68,7 @@ _I_PAYLOAD = _I_DIMS + _MAX_DIMS
 _I_AUX = _I_PAYLOAD + 1
 _META_LEN = _I_AUX + 1
 _NONE = -1
-# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); same semantics.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from lightning_sync._compat.torch_api import all_gather_single as _all_gather_single  # noqa: E402
 
 
 def is_distributed(group: dist.ProcessGroup | None = None) -> bool:

@@ -18,7 +18,7 @@ same semantics on any device:
   behave exactly like ``torch.nn.BatchNorm*d``;
 * CUDA tensors on a non-gloo group (NCCL) go through torch's own SyncBatchNorm kernels.
 
-The module subclasses ``_BatchNorm`` (not ``nn.SyncBatchNorm``), so DDP's "SyncBatchNorm layers only
+The module subclasses torch's BatchNorm base class (not ``nn.SyncBatchNorm``), so DDP's "SyncBatchNorm layers only
 work with GPU modules" check does not apply to it.
 
 :func:`convert_sync_batchnorm` / :func:`revert_sync_batchnorm` swap layers in a model and back,
@@ -38,9 +38,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_sync import collectives
+from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, BatchNormBase, TorchSyncBatchNormFunction, all_gather_single
 from lightning_sync.errors import RankMismatchError, format_ranks
 
 __all__ = [
@@ -55,8 +55,6 @@ __all__ = [
 #: Attribute users can set on a BatchNorm layer to keep it out of :func:`convert_sync_batchnorm`.
 EXCLUDE_ATTR = "sync_batchnorm"
 
-# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); same semantics.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # Attributes this module adds to a converted layer; revert removes them again.
 _ORIGINAL_CLASS = "_lsync_original_class"
@@ -117,7 +115,7 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         else:
             record = torch.zeros(2 * channels + 1, dtype=torch.float64, device=input.device)
         gathered = torch.empty(world_size * record.numel(), dtype=torch.float64, device=input.device)
-        _all_gather_single(gathered, record, group=group)
+        all_gather_single(gathered, record, group=group)
         gathered = gathered.view(world_size, -1)
 
         counts = gathered[:, 0]
@@ -228,7 +226,7 @@ def _raise_input_problems(problem: str | None, group: dist.ProcessGroup) -> None
 # the module
 
 
-class SyncBatchNorm(_BatchNorm):
+class SyncBatchNorm(BatchNormBase):
     """Batch normalisation over the union of every rank's batch, on any backend.
 
     A drop-in replacement for ``torch.nn.SyncBatchNorm`` (same arguments, same results) that also
@@ -298,7 +296,7 @@ class SyncBatchNorm(_BatchNorm):
                 check(self, input)
             elif input.dim() < 2:
                 raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
-        except NotImplementedError:  # _BatchNorm itself: any dimensionality of at least 2
+        except NotImplementedError:  # the BatchNorm base class: any dimensionality of at least 2
             if input.dim() < 2:
                 return f"expected at least 2D input (got {input.dim()}D input)"
         except ValueError as err:
@@ -325,7 +323,7 @@ class SyncBatchNorm(_BatchNorm):
             if problem is not None and portable:  # join this step's statistics exchange with a flag, then explain
                 flag = torch.full((2 * self.num_features + 1,), -1.0, dtype=torch.float64, device=self._device())
                 world = dist.get_world_size(group)
-                _all_gather_single(torch.empty(world * flag.numel(), dtype=flag.dtype, device=flag.device), flag,
+                all_gather_single(torch.empty(world * flag.numel(), dtype=flag.dtype, device=flag.device), flag,
                                    group=group)
                 _raise_input_problems(problem, group)
             if problem is not None:  # torch's NCCL kernels: no room for a flag in their exchange
@@ -370,7 +368,7 @@ class SyncBatchNorm(_BatchNorm):
         # Remembered so that revert_sync_batchnorm can give back a BatchNorm of the right dimensionality.
         self.__dict__[_SEEN_NDIM] = input.dim()
 
-        # Everything down to F.batch_norm mirrors torch's _BatchNorm.forward, so the two agree exactly.
+        # Everything down to F.batch_norm mirrors torch's BatchNorm forward, so the two agree exactly.
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -389,9 +387,7 @@ class SyncBatchNorm(_BatchNorm):
         # torch's own kernels are CUDA-only and fused: use them for CUDA tensors on NCCL (and other
         # non-gloo backends); everything else takes the portable path.
         if input.is_cuda and "gloo" not in str(dist.get_backend(group)).lower():
-            from torch.nn.modules._functions import SyncBatchNorm as _TorchSyncBatchNorm
-
-            return _TorchSyncBatchNorm.apply(input, self.weight, self.bias, running_mean, running_var,  # type: ignore[no-untyped-call,no-any-return]
+            return TorchSyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean, running_var,  # type: ignore[no-untyped-call,no-any-return]
                                              self.eps, factor, group, world_size)
         return _PortableSyncBatchNorm.apply(input, self.weight, self.bias, running_mean,  # type: ignore[no-untyped-call,no-any-return]
                                             running_var, self.eps, factor, group, world_size)
@@ -413,7 +409,7 @@ def _clone_into(cls: type[_M], module: nn.Module, drop: Iterable[str] = ()) -> _
     return new
 
 
-def _is_frozen(module: _BatchNorm) -> bool:
+def _is_frozen(module: BatchNormBase) -> bool:
     params = [p for p in (module.weight, module.bias) if p is not None]
     return bool(params) and not any(p.requires_grad for p in params)
 
@@ -429,8 +425,8 @@ def convert_sync_batchnorm(
 ) -> nn.Module:
     """Replace every BatchNorm layer in ``module`` by a :class:`SyncBatchNorm`, recursively.
 
-    Converts ``BatchNorm1d/2d/3d``, ``torch.nn.SyncBatchNorm`` and any other ``_BatchNorm``
-    subclass. The new layer holds the very same parameter and buffer tensors (so device, dtype,
+    Converts ``BatchNorm1d/2d/3d``, ``torch.nn.SyncBatchNorm`` and any other subclass of torch's
+    BatchNorm base class. The new layer holds the very same parameter and buffer tensors (so device, dtype,
     ``requires_grad`` and optimizer references are kept), the training flag, hooks and other
     attributes, and remembers the original class for :func:`revert_sync_batchnorm`. Runs no
     collective; call it before wrapping the model in DDP.
@@ -464,7 +460,7 @@ def convert_sync_batchnorm(
 def _convert(module: nn.Module, group: dist.ProcessGroup | None, exclude: tuple[str, ...], name: str,
              skipped: list[str]) -> nn.Module:
     out = module
-    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+    if isinstance(module, BatchNormBase) and not isinstance(module, SyncBatchNorm):
         label = name or type(module).__name__
         if _is_frozen(module) or getattr(module, EXCLUDE_ATTR, True) is False or _excluded(name, exclude):
             skipped.append(label)
@@ -488,10 +484,10 @@ def _convert(module: nn.Module, group: dist.ProcessGroup | None, exclude: tuple[
     return out
 
 
-_BY_NDIM: dict[int, type[_BatchNorm]] = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+_BY_NDIM: dict[int, type[BatchNormBase]] = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 
 
-class _BatchNormXd(_BatchNorm):
+class _BatchNormXd(BatchNormBase):
     """A BatchNorm for any input dimensionality: what a never-used SyncBatchNorm reverts to."""
 
     def _check_input_dim(self, input: Tensor) -> None:
@@ -505,7 +501,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     A converted layer gets back its original class (``BatchNorm2d`` stays ``BatchNorm2d``, a
     ``torch.nn.SyncBatchNorm`` gets back its own process group). A :class:`SyncBatchNorm` built
     directly becomes ``BatchNorm1d/2d/3d`` after the dimensionality of the last input it saw, or a
-    dimension-agnostic ``_BatchNorm`` if it never saw one. Parameters, buffers, training flag, hooks and
+    dimension-agnostic BatchNorm if it never saw one. Parameters, buffers, training flag, hooks and
     attributes are kept as in :func:`convert_sync_batchnorm`. Runs no collective.
 
     Returns:
@@ -562,7 +558,7 @@ def dedicated_group() -> dist.ProcessGroup | None:
 # --------------------------------------------------------------------------------------------------
 # DDP's buffer broadcast is redundant for synchronised running statistics
 
-_DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
+_DDP_IGNORE = DDP_IGNORE_ATTR
 
 
 def share_running_stats(model: nn.Module) -> list[str]:
@@ -572,7 +568,7 @@ def share_running_stats(model: nn.Module) -> list[str]:
     rank 0 before each training forward: one more blocking collective per step, pure waste for the
     running statistics of a :class:`SyncBatchNorm` synchronised over the whole world, which every
     rank computes from the same gathered numbers. This broadcasts those buffers once from global rank
-    0 (so the ranks start equal) and adds their names to ``model._ddp_params_and_buffers_to_ignore``,
+    0 (so the ranks start equal) and adds their names to the list DDP skips (``_compat.torch_api.DDP_IGNORE_ATTR``),
     which DDP reads when it wraps ``model``. Other buffers (plain, frozen or excluded BatchNorm
     layers, layers synchronised over a sub-group) keep DDP's broadcast.
 

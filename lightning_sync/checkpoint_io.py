@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.plugins import TorchCheckpointIO
 
+from lightning_sync._compat.lightning_api import PathLike
 from lightning_sync.errors import LightningSyncError
 
 __all__ = ["AtomicCheckpointIO", "CorruptCheckpointError", "atomic_save", "checkpoint_problem",
@@ -47,12 +47,12 @@ class CorruptCheckpointError(LightningSyncError):
     """A checkpoint file is truncated or corrupt (e.g. its writer was killed while saving)."""
 
 
-def _is_local(path: _PATH) -> bool:
+def _is_local(path: PathLike) -> bool:
     text = str(path)
     return "://" not in text or text.startswith("file://")
 
 
-def _local(path: _PATH) -> str:
+def _local(path: PathLike) -> str:
     text = str(path)
     return text[len("file://"):] if text.startswith("file://") else os.fspath(path)
 
@@ -70,7 +70,7 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def atomic_save(obj: Any, path: _PATH, save: Callable[[Any, Any], None] = torch.save) -> None:
+def atomic_save(obj: Any, path: PathLike, save: Callable[[Any, Any], None] = torch.save) -> None:
     """Write ``obj`` to the local file ``path`` atomically: temporary file beside it, fsync, rename.
 
     Args:
@@ -110,7 +110,7 @@ def _umask() -> int:
     return mask
 
 
-def checkpoint_problem(path: _PATH, verify_data: bool = False) -> str | None:
+def checkpoint_problem(path: PathLike, verify_data: bool = False) -> str | None:
     """Why ``path`` is not a complete torch checkpoint, or ``None`` if it is.
 
     Reads only the zip directory at the end of the file (a truncated file has none), so it is cheap
@@ -148,7 +148,7 @@ def checkpoint_problem(path: _PATH, verify_data: bool = False) -> str | None:
     return None
 
 
-def is_complete_checkpoint(path: _PATH, verify_data: bool = False) -> bool:
+def is_complete_checkpoint(path: PathLike, verify_data: bool = False) -> bool:
     """True when ``path`` is a complete torch checkpoint (see :func:`checkpoint_problem`)."""
     return checkpoint_problem(path, verify_data) is None
 
@@ -156,13 +156,13 @@ def is_complete_checkpoint(path: _PATH, verify_data: bool = False) -> bool:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` that writes local files atomically and refuses truncated ones on load."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None) -> None:
         if storage_options is not None or not _is_local(path):
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         atomic_save(checkpoint, path)
 
-    def load_checkpoint(self, path: _PATH, map_location: Any | None = lambda storage, loc: storage,
+    def load_checkpoint(self, path: PathLike, map_location: Any | None = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
         if _is_local(path) and os.path.exists(_local(path)):
             problem = checkpoint_problem(path)
@@ -176,7 +176,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
 
 
-def _refusal(path: _PATH, problem: str) -> str:
+def _refusal(path: PathLike, problem: str) -> str:
     directory = Path(_local(path)).parent
     others = sorted((p for p in directory.glob("*.ckpt") if p != Path(_local(path)) and is_complete_checkpoint(p)),
                     key=lambda p: p.stat().st_mtime, reverse=True)[:3]

@@ -609,7 +609,7 @@ def _group_test(launch: Launch, store: Store, backend: str, timeout: float) -> s
         total = float(collectives.all_reduce(value, op="sum")[0])
         expected = launch.world_size * (launch.world_size + 1) / 2
         dist.barrier()
-        dist.destroy_process_group()  # clean teardown on every rank (see FINDINGS: teardown crash)
+        dist.destroy_process_group()  # clean teardown on every rank (docs/strategy.md: the gloo teardown crash)
         if total != expected:
             return f"FAILED: all_reduce sum {total} != {expected}"
         return f"ok (join {joined:.2f}s, all_reduce {time.monotonic() - start - joined:.3f}s)"

@@ -226,7 +226,7 @@ def _agree(fn: str, group: dist.ProcessGroup | None, device: torch.device, probl
         arg = payload = aux = _NONE
         layout = None
     record = [_MAGIC, _CALLS.index(fn), len(text.encode()), arg, payload, aux,
-              _NONE if layout is None else zlib.crc32(repr(layout).encode())]
+              _NONE if layout is None else zlib.crc32(repr(layout).encode()), 0]
     records = _exchange(record, group, device)
     ranks = _check_same_call(fn, records, group)
     if any(rec[_I_PROBLEM] for rec in records):

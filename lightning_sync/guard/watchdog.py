@@ -58,7 +58,8 @@ class Monitor:
         self.timeout = timeout
         self.hang_timeout = hang_timeout
         self.interval = interval
-        self.grace = grace if grace is not None else max(5.0, min(timeout, 30.0))
+        # long enough for the usual ending (a failed peer exits, its connections close, this rank raises)
+        self.grace = grace if grace is not None else max(30.0, min(timeout, 120.0))
         self.stale_after = min(timeout, max(2.0, 20 * interval))
         self._write = write
         self._lock = threading.Lock()

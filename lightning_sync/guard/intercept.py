@@ -54,7 +54,12 @@ _MATCH: dict[str, tuple[tuple[int, str] | None, tuple[int, str] | None]] = {
 # Positional index of async_op per op that has one: calls passing it positionally run as written.
 _ASYNC_AT = {"all_reduce": 3, "all_gather": 3, "all_gather_into_tensor": 3, "broadcast": 3, "barrier": 1,
              "reduce": 4, "reduce_scatter": 4, "reduce_scatter_tensor": 4, "gather": 4, "scatter": 4,
-             "all_to_all": 3, "all_to_all_single": 6}
+             "all_to_all": 3, "all_to_all_single": 5}
+# Positional index of group per op (Lightning and user code pass it either way).
+_GROUP_AT = {"all_reduce": 2, "all_gather": 2, "all_gather_into_tensor": 2, "all_gather_object": 2, "broadcast": 2,
+             "broadcast_object_list": 2, "barrier": 0, "reduce": 3, "reduce_scatter": 3, "reduce_scatter_tensor": 3,
+             "gather": 3, "gather_object": 3, "scatter": 3, "scatter_object_list": 3, "all_to_all": 2,
+             "all_to_all_single": 4}
 _abandoned: list[Any] = []
 
 
@@ -125,6 +130,7 @@ class Interceptor:
         guard = self.guard
         run = self.run
         checks_ddp = name == "all_reduce"
+        group_at = (_GROUP_AT.get(name, 99), "group")
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -134,7 +140,7 @@ class Interceptor:
             match, tensor = match_of(name, args, kwargs)
             if checks_ddp and guard._module is not None and isinstance(tensor, Tensor):
                 guard._reject_managed(tensor, frame)
-            if guard._record(name, match, kwargs.get("group"), frame) is None:
+            if guard._record(name, match, _arg(args, kwargs, group_at), frame) is None:
                 return fn(*args, **kwargs)  # this rank is not in the group
             guard._depth += 1
             try:
@@ -175,7 +181,7 @@ class Interceptor:
                         raise guard._explain(err)
                 failure = guard._failure()
                 if failure is not None:
-                    group = kwargs.get("group")
+                    group = _arg(args, kwargs, (_GROUP_AT.get(name, 99), "group"))
                     abandon(work, group if group is not None else dist.distributed_c10d._get_default_group())
                     raise failure
         finally:

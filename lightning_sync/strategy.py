@@ -23,7 +23,8 @@ from lightning_sync._compat.lightning_api import PathLike, StrategyRegistryType
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.checkpoint_io import AtomicCheckpointIO
 from lightning_sync.collectives import validate_seed
-from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
+from lightning_sync.guard.core import CollectiveGuard
+from lightning_sync.guard.nccl import configure_nccl_flight_recorder
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
 

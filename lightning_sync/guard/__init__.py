@@ -10,14 +10,13 @@ Parts, one job each:
 * :mod:`.report` - the error messages (pure functions);
 * :mod:`.core` - :class:`CollectiveGuard`, the life cycle tying them together.
 
-Only ``torch.distributed`` is imported here, never Lightning.
+Only ``torch.distributed`` is imported by these modules, never Lightning. The names below are
+resolved on first use, so importing one part (``lightning_sync.guard.report``) does not import the
+others (no import cycle through this ``__init__``).
 """
 
-from lightning_sync.guard.callsite import register_trusted, trusted
-from lightning_sync.guard.checksums import parameter_checksums
-from lightning_sync.guard.core import CollectiveGuard
-from lightning_sync.guard.intercept import GUARDED_OPS
-from lightning_sync.guard.nccl import configure_nccl_flight_recorder
+import importlib
+from typing import Any
 
 __all__ = [
     "GUARDED_OPS",
@@ -27,3 +26,18 @@ __all__ = [
     "register_trusted",
     "trusted",
 ]
+
+_WHERE = {
+    "GUARDED_OPS": "intercept",
+    "CollectiveGuard": "core",
+    "configure_nccl_flight_recorder": "nccl",
+    "parameter_checksums": "checksums",
+    "register_trusted": "callsite",
+    "trusted": "callsite",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

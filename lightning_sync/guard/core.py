@@ -338,7 +338,7 @@ class CollectiveGuard:
         stream = self._stream
         seq = recorder.next_seq(stream) - 1
         fps: dict[int, Fingerprint | None] = {}
-        deadline = time.monotonic() + max(2.0, 20 * self.interval)
+        deadline = time.monotonic() + max(5.0, 30 * self.interval)
         while time.monotonic() < deadline:  # the others publish within one watchdog turn
             try:
                 fps = monitor.fingerprints_at(stream, seq)

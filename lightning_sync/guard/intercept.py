@@ -15,16 +15,13 @@ import functools
 import sys
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sync.guard.callsite import is_trusted
 from lightning_sync.guard.fingerprint import describe_tensor, op_name
-
-if TYPE_CHECKING:
-    from lightning_sync.guard.core import CollectiveGuard
 
 __all__ = ["GUARDED_OPS", "Interceptor", "abandon"]
 
@@ -96,9 +93,9 @@ def match_of(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
 
 
 class Interceptor:
-    """Installs and removes the wrappers for one :class:`CollectiveGuard`."""
+    """Installs and removes the wrappers for one ``CollectiveGuard``."""
 
-    def __init__(self, guard: CollectiveGuard, poll: float = 0.1) -> None:
+    def __init__(self, guard: Any, poll: float = 0.1) -> None:  # a CollectiveGuard (core imports this module)
         self.guard = guard
         self.poll = timedelta(seconds=poll)
         self.originals: dict[str, Callable[..., Any]] = {}

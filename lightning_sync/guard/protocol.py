@@ -122,8 +122,11 @@ class Exchange:
         self.publish([], None, {})
 
     def publish(self, batch: list[tuple[str, Fingerprint]], busy: tuple[str, int, float] | None,
-                rings: dict[str, list[Fingerprint]], nexts: dict[str, int] | None = None) -> None:
-        """One-way writes: the new fingerprints per stream, then the heartbeat."""
+                rings: dict[str, list[Fingerprint]], nexts: dict[str, int] | None = None, done: bool = False) -> None:
+        """One-way writes: the new fingerprints per stream, then the heartbeat.
+
+        ``done``: the last heartbeat of a rank that stops guarding on purpose (its silence is not a freeze).
+        """
         by_stream: dict[str, list[Fingerprint]] = {}
         for stream, fp in batch:
             by_stream.setdefault(stream, []).append(fp)
@@ -139,14 +142,9 @@ class Exchange:
         beat = {"beat": self._beat, "time": time.time(), **self.identity,
                 "busy": list(busy) if busy is not None else None,
                 "next": nexts if nexts is not None else {s: r[-1].seq + 1 for s, r in rings.items() if r},
-                "ring": {s: encode(r) for s, r in rings.items()}}
+                "ring": {s: encode(r) for s, r in rings.items()}, "done": done}
         self._call(self.store.set, f"h/{self.rank}", json.dumps(beat))
 
-    def leave(self) -> None:
-        """Say this rank stopped guarding on purpose (its heartbeat stops; it is not frozen)."""
-        self._beat += 1
-        self._call(self.store.set, f"h/{self.rank}", json.dumps({"beat": self._beat, "time": time.time(),
-                                                                **self.identity, "done": True}))
 
     def post_abort(self, message: str) -> None:
         self._call(self.store.set, f"abort/{self.rank}", message)

@@ -101,8 +101,11 @@ class Monitor:
     def leave(self) -> None:
         """Stop for good and tell the others this rank stopped guarding on purpose."""
         self.stop()
-        try:
-            self.exchange.leave()
+        rec = self.recorder
+        streams = rec.streams()
+        try:  # the last fingerprints too: a peer explaining a mismatch reads them from here
+            self.exchange.publish(rec.take_unpublished(), None, {s: rec.last(s) for s in streams},
+                                  {s: rec.next_seq(s) for s in streams}, done=True)
         except StoreUnavailable:
             pass
 

@@ -24,6 +24,7 @@ from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.collectives import validate_seed
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
+from lightning_sync.resume import ResumeHooks, load_checkpoint_file, make_resumable
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
 
 __all__ = ["SyncDDPStrategy"]
@@ -47,6 +48,9 @@ class SyncDDPStrategy(DDPStrategy):
         uneven_batches: what to do when ranks have different numbers of training batches (a rank
             with more would hang in DDP's all-reduce): ``"error"`` raises at epoch start;
             ``"stop_together"`` ends every rank's epoch when the shortest rank runs out.
+        resume: ``"auto"``: when ``fit`` gets no ``ckpt_path``, resume from the newest checkpoint of
+            the run that loads completely (after an elastic restart or a requeue); a directory: search
+            there. ``None`` (default): only ``ckpt_path``. See ``docs/resume.md``.
 
     After set-up, ``trainer.strategy.seed`` is the root seed, identical on every rank. Samplers use
     it (disjoint, complete shards), model initialisation runs under it (identical replicas), then
@@ -57,7 +61,8 @@ class SyncDDPStrategy(DDPStrategy):
     strategy_name = "ddp_sync"
 
     def __init__(self, *args: Any, seed: int | None = None, guard: bool | CollectiveGuard = True,
-                 guard_timeout: float | None = None, uneven_batches: str = "error", **kwargs: Any) -> None:
+                 guard_timeout: float | None = None, uneven_batches: str = "error", resume: str | None = None,
+                 **kwargs: Any) -> None:
         validate_seed(seed, "SyncDDPStrategy(seed=...)")
         if uneven_batches not in ("error", "stop_together"):
             raise ValueError(f"SyncDDPStrategy(uneven_batches={uneven_batches!r}): use 'error' or 'stop_together'.")
@@ -72,6 +77,8 @@ class SyncDDPStrategy(DDPStrategy):
         self._pending_checkpoint_state: dict[str, Any] | None = None
         self._failed = False
         self._peers: list[Peer] = []
+        self._resume_arg = resume
+        self._resume = ResumeHooks()
 
     @property
     def seed(self) -> int | None:
@@ -143,6 +150,7 @@ class SyncDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._resume.on_train_start()  # a mid-epoch checkpoint's RNG states, now that the iterator exists
         self._unguard_on_sigterm()
 
     def _unguard_on_sigterm(self) -> None:
@@ -167,6 +175,9 @@ class SyncDDPStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         if self._lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
             dataloader.worker_init_fn = WorkerSeeder(self._lineage.root, self.global_rank)  # type: ignore[attr-defined]
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.training:  # the training loader resumes mid-epoch (resume.py)
+            dataloader = make_resumable(dataloader)
         return dataloader
 
     # ------------------------------------------------------------------ checkpoints
@@ -175,14 +186,15 @@ class SyncDDPStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # Called on every rank by trainer.save_checkpoint; the RNG states come from every rank.
         if self._lineage is not None:
-            state = self._lineage.checkpoint_state()
+            state = self._lineage.checkpoint_state(self._resume.loader_payload(checkpoint))
             if state is not None:
                 checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = load_checkpoint_file(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
+        self._resume.on_load(checkpoint, self.world_size, self.global_rank)
         self._pending_checkpoint_state = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 

@@ -359,8 +359,11 @@ def adjust_progress_for_reshard(checkpoint: dict[str, Any], sampler_state: dict[
     loop = checkpoint.get("loops", {}).get("fit_loop", {})
     batch_progress = loop.get("epoch_loop.batch_progress") if isinstance(loop, dict) else None
     if isinstance(batch_progress, dict) and isinstance(batch_progress.get("current"), dict):
+        # Shift, not zero: Lightning adds one to "completed" itself when the save came at a batch's end.
+        current = batch_progress["current"]
+        done = int(current["ready"])
         for key in ("ready", "started", "processed", "completed"):
-            batch_progress["current"][key] = 0
+            current[key] = int(current[key]) - done
 
 
 def is_mid_epoch(sampler_state: dict[str, Any] | None) -> bool:
@@ -456,3 +459,29 @@ def load_checkpoint_file(load: Any, path: Any, **kwargs: Any) -> dict[str, Any]:
         raise ResumeError(f"resume: {path} loads but is not a Lightning checkpoint (no 'state_dict'). Resume from "
                           "a file written by trainer.save_checkpoint or ModelCheckpoint.")
     return checkpoint
+
+
+class EpochLengthSync:
+    """Keeps Lightning's batch count in step with a re-sharded epoch.
+
+    After a resume on another world size the interrupted epoch is shorter or longer than a normal
+    one, and Lightning counts batches once, when it sets up the loader. At the start of each later
+    epoch the count is set from the loader again (only with the default ``limit_train_batches``).
+    """
+
+    @staticmethod
+    def on_train_epoch_start(trainer: Any) -> None:
+        fit_loop = trainer.fit_loop
+        combined = fit_loop._combined_loader
+        if combined is None or trainer.limit_train_batches != 1.0:
+            return
+        loaders = combined.flattened
+        if not any(isinstance(getattr(dl, "sampler", None), ResumableDistributedSampler) for dl in loaders):
+            return
+        limits = [len(dl) if isinstance(dl, Sized) else float("inf") for dl in loaders]
+        combined.limits = limits
+        if fit_loop.max_batches == len(combined):
+            return
+        fit_loop.max_batches = len(combined)
+        if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch is not None:
+            trainer.val_check_batch = max(1, int(fit_loop.max_batches * trainer.val_check_interval))

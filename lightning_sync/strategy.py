@@ -125,6 +125,10 @@ class SyncDDPStrategy(DDPStrategy):
 
             if not any(isinstance(cb, GuardChecks) for cb in trainer.callbacks):
                 trainer.callbacks.append(GuardChecks(self.uneven_batches))
+        from lightning_sync.callbacks.resume import ResumeEpochLength
+
+        if not any(isinstance(cb, ResumeEpochLength) for cb in trainer.callbacks):
+            trainer.callbacks.append(ResumeEpochLength())
 
     @override
     def configure_ddp(self) -> None:

@@ -485,3 +485,79 @@ class EpochLengthSync:
         fit_loop.max_batches = len(combined)
         if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch is not None:
             trainer.val_check_batch = max(1, int(fit_loop.max_batches * trainer.val_check_interval))
+
+
+def install_auto_resume(launcher: Any, directories: Any) -> None:
+    """Make ``launcher.launch`` resume ``fit`` without ``ckpt_path`` from the newest complete checkpoint.
+
+    The launcher object stays what it is (Lightning checks its type); only its ``launch`` gains a
+    step. Each rank searches the same ``directories(trainer)`` before the process group exists
+    (after an elastic restart every rank starts again).
+    """
+    import inspect
+
+    inner = launcher.launch
+
+    def launch(function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if trainer is not None and getattr(function, "__name__", "") == "_fit_impl":
+            bound = inspect.signature(function).bind(*args, **kwargs)
+            if bound.arguments.get("ckpt_path") is None:
+                dirs = directories(trainer)
+                chosen = find_resume_checkpoint(dirs)
+                where = ", ".join(map(str, dirs))
+                if chosen is not None:
+                    log.warning("lightning_sync: resume: resuming from %s (the newest complete checkpoint under "
+                                "%s).", chosen, where)
+                    bound.arguments["ckpt_path"] = str(chosen)
+                else:
+                    log.info("lightning_sync: resume: no checkpoint under %s; starting fresh.", where)
+                args, kwargs = bound.args, bound.kwargs
+        return inner(function, *args, trainer=trainer, **kwargs)
+
+    setattr(launcher, "launch", launch)
+
+
+def auto_resume_directories(resume: str) -> Any:
+    """The directories ``resume`` names: ``"auto"``: every ModelCheckpoint's ``dirpath``; else the path itself."""
+
+    def directories(trainer: Any) -> list[Path]:
+        if resume != "auto":
+            return [Path(resume)]
+        dirs = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+        if not dirs:
+            raise ValueError("SyncDDPStrategy(resume='auto') needs ModelCheckpoint(dirpath=...) so that a restarted "
+                             "run knows where its checkpoints are; or pass resume=<directory>.")
+        return dirs
+
+    return directories
+
+
+# ------------------------------------------------------------------------------- elastic restarts
+
+
+def init_process_group_after_restart(backend: str, timeout: Any, device_id: Any = None) -> bool:
+    """Under torchrun, from the second attempt on: join the process group under a per-attempt store prefix.
+
+    torchrun's agent keeps one store for all attempts; measured with torch 2.13, gloo's rendezvous
+    of a restarted worker group then reads the dead group's addresses from it ("Connection
+    refused", or a hang in ``init_process_group``). A fresh key prefix per attempt avoids that.
+    Returns whether it initialised the group (Lightning then skips its own ``init_process_group``).
+    """
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if (attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not dist.is_available()
+            or dist.is_initialized()):
+        return False
+    c10d: Any = dist  # the store classes are exported without declarations (mypy)
+    wait = timeout if isinstance(timeout, timedelta) else timedelta(minutes=30)
+    client = c10d.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=wait)
+    store = c10d.PrefixStore(f"lightning_sync/attempt_{attempt}", client)
+    kwargs: dict[str, Any] = {"device_id": device_id} if device_id is not None else {}
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=wait, **kwargs)
+    log.warning("lightning_sync: torchrun restart %s: process group joined under a fresh store prefix.", attempt)
+    return True

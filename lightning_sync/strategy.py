@@ -24,7 +24,7 @@ from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.collectives import validate_seed
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
-from lightning_sync.resume import ResumeHooks, load_checkpoint_file, make_resumable
+from lightning_sync.resume import ResumeHooks, init_process_group_after_restart, load_checkpoint_file, make_resumable
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
 
 __all__ = ["SyncDDPStrategy"]
@@ -64,6 +64,8 @@ class SyncDDPStrategy(DDPStrategy):
                  guard_timeout: float | None = None, uneven_batches: str = "error", resume: str | None = None,
                  **kwargs: Any) -> None:
         validate_seed(seed, "SyncDDPStrategy(seed=...)")
+        if resume is not None and not isinstance(resume, str):
+            raise TypeError(f"SyncDDPStrategy(resume={resume!r}): use None, 'auto' or a directory path.")
         if uneven_batches not in ("error", "stop_together"):
             raise ValueError(f"SyncDDPStrategy(uneven_batches={uneven_batches!r}): use 'error' or 'stop_together'.")
         super().__init__(*args, **kwargs)
@@ -101,6 +103,8 @@ class SyncDDPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         if self._guard is not None and self._get_process_group_backend() == "nccl":
             configure_nccl_flight_recorder()  # read by NCCL at process-group creation: set it first
+        init_process_group_after_restart(self._get_process_group_backend(), self._timeout,
+                                         self.root_device if self.root_device.type != "cpu" else None)
         super().setup_distributed()
         self._peers = gather_peers()  # host and address per rank: names a lost peer (on_exception)
         if self._guard is not None:
@@ -211,6 +215,10 @@ class SyncDDPStrategy(DDPStrategy):
             if hydra_active():
                 assert self.cluster_environment is not None
                 self._launcher = HydraDDPLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        if self._resume_arg is not None:  # resume="auto": fit without ckpt_path picks the newest checkpoint
+            from lightning_sync.resume import auto_resume_directories, install_auto_resume
+
+            install_auto_resume(self._launcher, auto_resume_directories(self._resume_arg))
 
     # ------------------------------------------------------------------ teardown
 

@@ -384,23 +384,23 @@ def describe_reshard(sampler_state: dict[str, Any], world_size: int) -> str:
 
 
 def find_resume_checkpoint(directories: list[Path]) -> Path | None:
-    """The newest checkpoint under ``directories`` that loads completely (newest by mtime).
+    """The newest complete checkpoint under ``directories`` (newest by modification time).
 
-    A file being written when a rank died (truncated, or a temporary name) does not load and is
-    skipped with a log line; nothing is deleted.
+    A file cut short when its writer died (only possible outside ``AtomicCheckpointIO``, which
+    renames complete files into place) fails :func:`~lightning_sync.checkpoint_io.is_complete_checkpoint`
+    and is skipped with a log line; nothing is deleted.
     """
+    from lightning_sync.checkpoint_io import checkpoint_problem
+
     candidates: list[Path] = []
     for directory in directories:
         if directory.is_dir():
             candidates += [p for p in directory.rglob("*.ckpt") if p.is_file()]
     for path in sorted(candidates, key=lambda p: p.stat().st_mtime_ns, reverse=True):
-        try:
-            torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as err:  # noqa: BLE001 (any failure to load means: not a complete checkpoint)
-            log.warning("lightning_sync: auto-resume skips %s: it does not load (%s: %s).", path,
-                        type(err).__name__, err)
-            continue
-        return path
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        log.warning("lightning_sync: resume skips %s: %s.", path, problem)
     return None
 
 
@@ -442,25 +442,6 @@ class ResumeHooks:
             self._rng_after_iterator = None
 
 
-def load_checkpoint_file(load: Any, path: Any, **kwargs: Any) -> dict[str, Any]:
-    """Run Lightning's checkpoint loading; a file that does not load raises :class:`ResumeError` naming it."""
-    try:
-        checkpoint = load(path, **kwargs)
-    except FileNotFoundError:
-        raise
-    except Exception as err:
-        size = Path(path).stat().st_size if Path(str(path)).is_file() else None
-        others = sorted(p.name for p in Path(str(path)).parent.glob("*.ckpt") if p.name != Path(str(path)).name)
-        raise ResumeError(
-            f"resume: checkpoint {path} ({size} bytes) does not load ({type(err).__name__}: {err}); it is truncated "
-            f"or damaged (a write interrupted by a kill?). It was left in place. Resume from another checkpoint"
-            f"{' of ' + str(Path(str(path)).parent) + ': ' + ', '.join(others) if others else ''}.") from err
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise ResumeError(f"resume: {path} loads but is not a Lightning checkpoint (no 'state_dict'). Resume from "
-                          "a file written by trainer.save_checkpoint or ModelCheckpoint.")
-    return checkpoint
-
-
 class EpochLengthSync:
     """Keeps Lightning's batch count in step with a re-sharded epoch.
 
@@ -471,8 +452,10 @@ class EpochLengthSync:
 
     @staticmethod
     def on_train_epoch_start(trainer: Any) -> None:
+        from lightning_sync._compat.lightning_api import train_combined_loader
+
         fit_loop = trainer.fit_loop
-        combined = fit_loop._combined_loader
+        combined = train_combined_loader(trainer)
         if combined is None or trainer.limit_train_batches != 1.0:
             return
         loaders = combined.flattened

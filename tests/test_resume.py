@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from lightning_sync.errors import ResumeError
-from lightning_sync.resume import ResumableDistributedSampler, find_resume_checkpoint, load_checkpoint_file
+from lightning_sync.resume import ResumableDistributedSampler, find_resume_checkpoint
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_resume.py"
 N = 50  # fit_resume.py's data set size
@@ -106,15 +106,14 @@ def test_sampler_rejects_other_dataset_length() -> None:
 # ----------------------------------------------------------------------- damaged checkpoint files
 
 
-def test_damaged_checkpoint_is_named_skipped_and_kept(tmp_path: Path) -> None:
-    good = tmp_path / "epoch=0-step=5.ckpt"
+def test_auto_resume_skips_a_damaged_newest_checkpoint_and_keeps_it(tmp_path: Path) -> None:
+    good = tmp_path / "run" / "epoch=0-step=5.ckpt"
+    good.parent.mkdir()
     torch.save({"state_dict": {}, "loops": {}}, good)
-    bad = tmp_path / "last.ckpt"
-    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])  # a write cut short
+    bad = tmp_path / "run" / "last.ckpt"
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])  # a write cut short by a kill
     os.utime(good, (1, 1))  # the damaged one is the newest
-    with pytest.raises(ResumeError, match=r"last\.ckpt \(\d+ bytes\) does not load.*left in place.*epoch=0-step=5"):
-        load_checkpoint_file(lambda p, **_: torch.load(p, weights_only=False), bad)
-    assert find_resume_checkpoint([tmp_path]) == good
+    assert find_resume_checkpoint([tmp_path / "run"]) == good
     assert bad.exists() and good.exists()
     assert find_resume_checkpoint([tmp_path / "missing"]) is None
 

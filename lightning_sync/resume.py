@@ -44,6 +44,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STATE_KEY = "lightning_sync"  # inside each loader state: our metadata beside torchdata's
+# Workers snapshot their state (RNG included, ~30-600 us) after every batch. torchdata can snapshot
+# every N batches and re-fetch the ones since on resume, but that path did not resume exactly here
+# (torchdata 0.11: other batches with plain workers, other weights with persistent ones).
+SNAPSHOT_EVERY = 1
 SAMPLER_NAME = "ResumableDistributedSampler"
 
 
@@ -307,6 +311,7 @@ def make_resumable(dataloader: object, *, warn: bool = True) -> object:
         multiprocessing_context=dataloader.multiprocessing_context if workers else None,
         generator=dataloader.generator, prefetch_factor=dataloader.prefetch_factor if workers else None,
         persistent_workers=dataloader.persistent_workers, pin_memory_device=dataloader.pin_memory_device,
+        snapshot_every_n_steps=SNAPSHOT_EVERY,
     )
 
 
@@ -412,6 +417,22 @@ class ResumeHooks:
 
     def __init__(self) -> None:
         self._rng_after_iterator: dict[str, Any] | None = None
+        self._expects_resumable_loader = False
+
+    def check_training_loader(self, dataloader: object) -> None:
+        """Refuse a training loader that cannot take the checkpoint's mid-epoch state (before any step)."""
+        if self._expects_resumable_loader and not isinstance(getattr(dataloader, "sampler", None),
+                                                              ResumableDistributedSampler):
+            self._expects_resumable_loader = False
+            sampler = getattr(dataloader, "sampler", None)
+            raise ResumeError(
+                "resume: the checkpoint holds the position of ddp_sync's resumable training loader (a map-style "
+                "data set, the default batch sampler over Lightning's DistributedSampler), but this run's training "
+                f"loader has sampler {type(sampler).__name__} / batch sampler "
+                f"{type(getattr(dataloader, 'batch_sampler', None)).__name__}"
+                f"{'' if torchdata_available() else ' and torchdata is not installed'}. Resume with the loader "
+                "the checkpoint was written with (pip install 'lightning_sync[resume]').")
+        self._expects_resumable_loader = False
 
     @staticmethod
     def loader_payload(checkpoint: dict[str, Any]) -> Any:
@@ -424,6 +445,7 @@ class ResumeHooks:
         self._rng_after_iterator = None
         if sampler_state is None:
             return
+        self._expects_resumable_loader = True
         if sampler_state["world_size"] != world_size and is_mid_epoch(sampler_state):
             adjust_progress_for_reshard(checkpoint, sampler_state, world_size)
             if rank == 0:

@@ -197,6 +197,7 @@ class SyncDDPStrategy(DDPStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.training:  # the training loader resumes mid-epoch (resume.py)
             dataloader = make_resumable(dataloader)
+            self._resume.check_training_loader(dataloader)
         return dataloader
 
     # ------------------------------------------------------------------ checkpoints

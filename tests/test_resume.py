@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -160,11 +161,19 @@ def _epoch_samples(steps: list[list], epoch: int) -> Counter:
     return Counter(i for rank_steps in steps for e, idx, _ in rank_steps if e == epoch for i in idx)
 
 
+@pytest.fixture(scope="module")
+def stopped_2ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-rank run stopped at step 10 (inside epoch 1) with its checkpoint in <dir>/stop/last.ckpt."""
+    out = tmp_path_factory.mktemp("stopped")
+    _launch(out, "stop:3:10:10", devices=2)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_resume_on_another_world_size_loses_no_sample(tmp_path: Path) -> None:
+def test_resume_on_another_world_size_loses_no_sample(tmp_path: Path, stopped_2ranks: Path) -> None:
     """2 -> 3 ranks and 3 -> 2 ranks, each from a checkpoint inside epoch 1."""
-    _launch(tmp_path / "a", "stop:3:10:10", devices=2)
+    (tmp_path / "a").symlink_to(stopped_2ranks)
     ckpt2 = tmp_path / "a" / "stop" / "last.ckpt"
     _launch(tmp_path / "b", f"resume:3:{ckpt2},stop:3:7:7@stop3", devices=3)
     _launch(tmp_path / "c", f"resume:3:{tmp_path / 'b' / 'stop3' / 'last.ckpt'}", devices=2)
@@ -200,3 +209,23 @@ def test_torchrun_restart_after_sigkill_resumes_to_equal_weights(tmp_path: Path)
     full, resumed = _steps(tmp_path / "ref" / "full", 2), _steps(out / "auto", 2)
     for r in range(2):
         assert resumed[r] == full[r][10:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("args", "message"), [
+    (("--batch-size", "5"), r"training batch size 5, the checkpoint's was 4.*batch_size=4"),
+    (("--n", "49"), r"training data set has 49 samples, the checkpoint's had 50"),
+])
+def test_resume_with_other_data_stops_before_training(tmp_path: Path, stopped_2ranks: Path,
+                                                       args: tuple[str, ...], message: str) -> None:
+    ckpt = stopped_2ranks / "stop" / "last.ckpt"
+    before = {p.name: p.read_bytes() for p in ckpt.parent.glob("*.ckpt")}
+    cmd = ["timeout", "-k", "5", "300", sys.executable, str(SCRIPT), "--out", str(tmp_path), "--plan",
+           f"resume:3:{ckpt}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=320)
+    assert proc.returncode != 0
+    assert re.search(message, proc.stderr, re.S), proc.stderr[-4000:]
+    assert "ResumeError" in proc.stderr
+    assert not (tmp_path / "resume").exists(), "training ran"
+    assert {p.name: p.read_bytes() for p in ckpt.parent.glob("*.ckpt")} == before, "a checkpoint changed"

@@ -98,7 +98,7 @@ def run(out: Path, kind: str, args: list[str], tag: str, opts: argparse.Namespac
     torch.manual_seed(int(os.environ.get("LOCAL_RANK", 0)) + 77)  # ranks start apart: ddp_sync must align them
     model = Model()
     model.kill_at = opts.kill_at
-    loader = DataLoader(Augmented(), batch_size=opts.batch_size, shuffle=True, num_workers=workers,
+    loader = DataLoader(Augmented(opts.n), batch_size=opts.batch_size, shuffle=True, num_workers=workers,
                         persistent_workers=persistent)
     trainer.fit(model, loader, ckpt_path=ckpt)
 
@@ -111,6 +111,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--n", type=int, default=N, help="data set size")
     p.add_argument("--auto", default=None, help="SyncDDPStrategy(resume=...)")
     p.add_argument("--kill-at", type=int, default=-1)
     opts = p.parse_args()

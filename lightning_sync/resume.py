@@ -508,7 +508,7 @@ def install_auto_resume(launcher: Any, directories: Any) -> None:
             bound = inspect.signature(function).bind(*args, **kwargs)
             if bound.arguments.get("ckpt_path") is None:
                 dirs = directories(trainer)
-                chosen = find_resume_checkpoint(dirs)
+                chosen = find_resume_checkpoint(dirs) if dirs else None
                 where = ", ".join(map(str, dirs))
                 if chosen is not None:
                     log.warning("lightning_sync: resume: resuming from %s (the newest complete checkpoint under "
@@ -530,8 +530,8 @@ def auto_resume_directories(resume: str) -> Any:
             return [Path(resume)]
         dirs = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
         if not dirs:
-            raise ValueError("SyncDDPStrategy(resume='auto') needs ModelCheckpoint(dirpath=...) so that a restarted "
-                             "run knows where its checkpoints are; or pass resume=<directory>.")
+            log.warning("lightning_sync: resume='auto' has nowhere to look: no ModelCheckpoint(dirpath=...). A "
+                        "restarted run starts fresh; set dirpath, or pass resume=<directory>.")
         return dirs
 
     return directories

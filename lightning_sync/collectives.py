@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_sync._compat.torch_api import all_gather_single as _all_gather_single
 from lightning_sync.errors import CollectiveMismatchError, RankMismatchError, format_ranks
 
 __all__ = [
@@ -73,8 +74,6 @@ _META_LEN = 7
 _NONE = -1
 # The exception classes a local argument problem may carry to the other ranks.
 _PROBLEM_TYPES: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError}
-# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); same semantics.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def is_distributed(group: dist.ProcessGroup | None = None) -> bool:

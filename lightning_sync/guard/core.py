@@ -217,7 +217,9 @@ class CollectiveGuard:
         self._sites = CallSites(context)
         self.context = context
         self._recorder = Recorder(capacity=max(64, self.history_size))
-        store = _side_store(f"lightning_sync/guard/{_generation}/", timeout=min(self.timeout, 10.0))
+        # torchrun's store also outlives a restart of the worker group: the attempt keeps keys apart
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = _side_store(f"lightning_sync/guard/{attempt}/{_generation}/", timeout=min(self.timeout, 10.0))
         self._exchange = Exchange(store, self._rank, dist.get_world_size(), self.match_call_sites)
         self._exchange.start()
         self._monitor = Monitor(self._exchange, self._recorder, self.timeout, self.hang_timeout, self._write,

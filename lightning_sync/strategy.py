@@ -12,6 +12,7 @@ import signal
 import threading
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
@@ -22,7 +23,9 @@ from typing_extensions import override
 
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.collectives import validate_seed
+from lightning_sync.errors import UnevenEvaluationError
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
+from lightning_sync.sampling import ExactEvaluation, evaluation_limit, exact_eval_dataloader, is_integer_mean
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
 
@@ -47,6 +50,10 @@ class SyncDDPStrategy(DDPStrategy):
         uneven_batches: what to do when ranks have different numbers of training batches (a rank
             with more would hang in DDP's all-reduce): ``"error"`` raises at epoch start;
             ``"stop_together"`` ends every rank's epoch when the shortest rank runs out.
+        exact_eval: evaluate every sample of validate, test, fit's validation and predict on exactly
+            one rank, once (no padding), in equal step counts wherever possible, and reduce
+            ``self.log(..., sync_dist=True)`` epoch means exactly (see ``lightning_sync.sampling``).
+            ``False``: Lightning's padded ``DistributedSampler``.
 
     After set-up, ``trainer.strategy.seed`` is the root seed, identical on every rank. Samplers use
     it (disjoint, complete shards), model initialisation runs under it (identical replicas), then
@@ -57,7 +64,8 @@ class SyncDDPStrategy(DDPStrategy):
     strategy_name = "ddp_sync"
 
     def __init__(self, *args: Any, seed: int | None = None, guard: bool | CollectiveGuard = True,
-                 guard_timeout: float | None = None, uneven_batches: str = "error", **kwargs: Any) -> None:
+                 guard_timeout: float | None = None, uneven_batches: str = "error", exact_eval: bool = True,
+                 **kwargs: Any) -> None:
         validate_seed(seed, "SyncDDPStrategy(seed=...)")
         if uneven_batches not in ("error", "stop_together"):
             raise ValueError(f"SyncDDPStrategy(uneven_batches={uneven_batches!r}): use 'error' or 'stop_together'.")
@@ -68,6 +76,8 @@ class SyncDDPStrategy(DDPStrategy):
         if self._guard is not None and guard_timeout is not None:
             self._guard.timeout = self._guard.hang_timeout = CollectiveGuard(timeout=guard_timeout).timeout
         self.uneven_batches = uneven_batches
+        self.exact_eval = bool(exact_eval)
+        self._exact_eval = ExactEvaluation() if exact_eval else None
         self._lineage: SeedLineage | None = None
         self._pending_checkpoint_state: dict[str, Any] | None = None
         self._failed = False
@@ -132,6 +142,24 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if self._exact_eval is not None and isinstance(tensor, Tensor):
+            self._check_step_collective("self.log(..., sync_dist=True)")
+            if is_integer_mean(tensor, reduce_op):  # self.log's sample count: a float mean is exact
+                dtype = torch.get_default_dtype() if torch.get_default_dtype() == torch.float64 else torch.float32
+                return self._reduce(tensor.to(dtype), group, reduce_op)
+        return self._reduce(tensor, group, reduce_op)
+
+    def _check_step_collective(self, what: str) -> None:
+        module = self._lightning_module
+        if self._exact_eval is not None and module is not None and module._trainer is not None:
+            self._exact_eval.check_step_collective(what, module._current_fx_name, evaluation_limit(module._trainer))
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        self._check_step_collective("all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def _reduce(self, tensor: Any, group: Any | None, reduce_op: Any) -> Any:
         # One guarded check for Lightning's barrier + all_reduce pair (self.log(sync_dist=True)).
         if self._guard is None or not isinstance(tensor, Tensor):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
@@ -165,6 +193,11 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        trainer = self._lightning_module._trainer if self._lightning_module is not None else None
+        if self._exact_eval is not None and trainer is not None and self.world_size > 1 and (
+                trainer.sanity_checking or trainer.validating or trainer.testing or trainer.predicting):
+            dataloader = exact_eval_dataloader(dataloader, self.global_rank, self.world_size,
+                                               predicting=trainer.predicting, monitor=self._exact_eval)
         if self._lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
             dataloader.worker_init_fn = WorkerSeeder(self._lineage.root, self.global_rank)  # type: ignore[attr-defined]
         return dataloader
@@ -200,7 +233,9 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
+        # Every rank raises UnevenEvaluationError at the same point: the group is healthy, tear down cleanly
+        # (a peer that skipped the barrier could re-join the next run's rendezvous on the old store).
+        self._failed = not isinstance(exception, UnevenEvaluationError)
         lost = lost_peer_message(exception, self._peers, self.global_rank)
         if lost:  # gloo only names an address: say which rank(s) that is
             log.error("lightning_sync: %s", lost)

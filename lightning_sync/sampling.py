@@ -17,13 +17,12 @@ the user's own ``DistributedSampler``, a custom sampler inside Lightning's
   every rank at once instead of hanging. Epoch-end values stay exact.
 
 The planning functions (:func:`shard_sizes`, :func:`batch_sizes`, :func:`plan_steps`,
-:func:`global_order`) have no Lightning dependency and are meant to be reused (training-sampler
-state, prediction writing).
+:func:`global_order`) work on plain torch samplers and are meant to be reused (training-sampler
+state, prediction writing); Lightning's private loader names live in ``lightning_sync._compat``.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from lightning_sync._compat import lightning_api as _compat
 from lightning_sync.errors import UnevenEvaluationError, format_ranks
 
 __all__ = [
@@ -118,13 +118,6 @@ def plan_steps(num_samples: int, world_size: int, batch_size: int) -> StepPlan:
     return StepPlan(num_samples, batch_size, tuple(counts), tuple(batches))
 
 
-def _inner_sampler(sampler: DistributedSampler[Any]) -> object | None:
-    # Lightning's DistributedSamplerWrapper / UnrepeatedDistributedSamplerWrapper hold the user's sampler in
-    # a _DatasetSamplerWrapper "dataset"; a plain DistributedSampler shards its dataset directly.
-    inner = getattr(sampler.dataset, "_sampler", None)
-    return inner if type(sampler.dataset).__name__ == "_DatasetSamplerWrapper" else None
-
-
 def global_order(sampler: DistributedSampler[Any]) -> list[int]:
     """The order of the whole epoch that ``sampler`` shards (identical on every rank).
 
@@ -133,7 +126,7 @@ def global_order(sampler: DistributedSampler[Any]) -> list[int]:
     from ``seed + epoch`` (so a sampler drawing from the global RNG agrees across ranks, whose own
     streams differ under ``ddp_sync``), then permuted the same way when the wrapper shuffles.
     """
-    inner = _inner_sampler(sampler)
+    inner = _compat.wrapped_sampler(sampler)
     num = len(sampler.dataset)  # type: ignore[arg-type]
     if isinstance(inner, RandomSampler) and not inner.replacement and inner.num_samples == len(inner.data_source):
         inner, shuffle = None, True
@@ -151,7 +144,7 @@ def global_order(sampler: DistributedSampler[Any]) -> list[int]:
         return positions
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(sampler.seed + sampler.epoch)
-        materialised = list(inner)  # type: ignore[call-overload]
+        materialised = list(inner)
     return [materialised[p] for p in positions]
 
 
@@ -238,8 +231,7 @@ def _limited(steps: int, limit: int | float | None) -> int:
 
 def _distributed_sampler(dataloader: DataLoader[Any]) -> tuple[DistributedSampler[Any] | None, Any]:
     """The loader's distributed sampler and its plain ``BatchSampler`` (unwrapping Lightning's index wrapper)."""
-    batch_sampler = dataloader.batch_sampler
-    inner_batch_sampler = getattr(batch_sampler, "_batch_sampler", batch_sampler)  # _IndexBatchSamplerWrapper
+    inner_batch_sampler = _compat.unwrap_index_batch_sampler(dataloader.batch_sampler)
     if type(inner_batch_sampler) is not BatchSampler or inner_batch_sampler.drop_last:
         return None, None
     sampler = inner_batch_sampler.sampler
@@ -284,21 +276,9 @@ def exact_eval_dataloader(dataloader: object, rank: int, world_size: int, predic
             values=dict(enumerate(shard_sizes(num, world_size))),
         )
     batch_sampler: Any = ExactEvalBatchSampler(sampler, inner_batch_sampler.batch_size, rank, world_size, monitor)
-    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
-    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
-
-    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
-
-    if inner_batch_sampler is not dataloader.batch_sampler:
-        # Lightning's prediction loader (its own copy) wraps a plain BatchSampler to record indices; let its
-        # re-instantiation see the plain one (DataLoader refuses attribute assignment after __init__)
-        dataloader = copy.copy(dataloader)
-        object.__setattr__(dataloader, "batch_sampler", inner_batch_sampler)
-    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler)
     if predicting:
-        batch_sampler = _IndexBatchSamplerWrapper(batch_sampler)  # Lightning's prediction index tracking
-    kwargs.update(sampler=None, shuffle=False, batch_sampler=batch_sampler, batch_size=1, drop_last=False)
-    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+        batch_sampler = _compat.index_batch_sampler(batch_sampler)  # Lightning's prediction index tracking
+    return _compat.dataloader_with_batch_sampler(dataloader, batch_sampler)
 
 
 def evaluation_limit(trainer: Any) -> int | float | None:

@@ -151,9 +151,10 @@ class SyncDDPStrategy(DDPStrategy):
         return self._reduce(tensor, group, reduce_op)
 
     def _check_step_collective(self, what: str) -> None:
-        module = self._lightning_module
-        if self._exact_eval is not None and module is not None and module._trainer is not None:
-            self._exact_eval.check_step_collective(what, module._current_fx_name, evaluation_limit(module._trainer))
+        module = self.lightning_module
+        trainer = _compat.attached_trainer(module)
+        if self._exact_eval is not None and trainer is not None:
+            self._exact_eval.check_step_collective(what, _compat.current_hook_name(module), evaluation_limit(trainer))
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
@@ -204,7 +205,7 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        trainer = self._lightning_module._trainer if self._lightning_module is not None else None
+        trainer = _compat.attached_trainer(self.lightning_module)
         if self._exact_eval is not None and trainer is not None and self.world_size > 1 and (
                 trainer.sanity_checking or trainer.validating or trainer.testing or trainer.predicting):
             dataloader = exact_eval_dataloader(dataloader, self.global_rank, self.world_size,

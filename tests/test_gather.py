@@ -276,6 +276,8 @@ def test_fit_validate_test_predict_exact_on_two_ranks(tmp_path: Path) -> None:
             assert logged[f"val_auroc/dataloader_idx_{dl}"] == pytest.approx(auroc, abs=1e-5)
             # ordinary code too: under ddp_sync (exact_eval) the sync_dist batch mean is the data set's accuracy
             assert logged[f"val_acc_sync_dist/dataloader_idx_{dl}"] == pytest.approx(acc, abs=1e-6)
+            assert logged[f"val_acc_sync_dist/dataloader_idx_{dl}"] == pytest.approx(
+                logged[f"val_acc/dataloader_idx_{dl}"], abs=1e-6)  # what the job logs == ValidationGather's
         assert fit["best_score"] == pytest.approx(fit["callback_metrics"]["val_acc/dataloader_idx_0"])
         # validate: the user's DistributedSampler, shuffled, 2 workers; and drop_last=True
         check_gathered(val["gathered"]["0"], list(range(1001)), val["weights"], 1001)

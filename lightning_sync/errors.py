@@ -65,3 +65,10 @@ class UnevenEvaluationError(RankMismatchError):
     Raised on every rank at once (each knows every rank's step count): by a per-step collective in
     an evaluation step when step counts differ, or before the loop when a rank would get no sample.
     """
+
+
+class ResumeError(LightningSyncError):
+    """A checkpoint cannot resume this run as configured (data, batch size, sampler, or a damaged file).
+
+    Raised before any training step; no checkpoint is changed or deleted.
+    """

@@ -141,7 +141,7 @@ class SyncDDPStrategy(DDPStrategy):
         if self._guard is not None:
             from lightning_sync.callbacks.consistency import warn_if_initial_parameters_differ
 
-            warn_if_initial_parameters_differ(self.model)  # DDP is about to overwrite them with rank 0's
+            warn_if_initial_parameters_differ(self.model, self._ddp_kwargs)  # only what DDP will not overwrite
         super().configure_ddp()
         if self._guard is not None and self.model is not None:
             self._guard.watch_module(self.model)

@@ -119,6 +119,12 @@ class CheckConfig(Callback):
         _check_or_exit(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from lightning_sync.schema import import_problem
+
+        launcher = OmegaConf.select(config, "hydra.launcher._target_", default=None)
+        problem = import_problem("hydra/launcher", str(launcher)) if launcher else None
+        if problem is not None:  # hydra/launcher=submitit_* without the plugin installed
+            raise SystemExit(f"lsync-train: config error: {problem}")
         _check_or_exit(config)
 
 

@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-__all__ = ["DigitsCNNConfig", "DigitsDataConfig", "JobConfig", "Problem", "TrainerConfig", "problems"]
+__all__ = ["DigitsCNNConfig", "DigitsDataConfig", "JobConfig", "Problem", "TrainerConfig", "import_problem",
+           "problems"]
 
 #: Where ``pip install`` works from: a clone of the repository (lightning_sync is not on an index).
 INSTALL_FROM_CLONE = "pip install -c constraints.txt \".[recipes]\" (in the lightning_sync repository)"
@@ -237,20 +238,33 @@ def _signature(obj: Any) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]:
     return params, hints
 
 
-def _import_problem(key: str, target: str) -> Problem | None:
-    from hydra.utils import get_object
+def locate(target: str) -> Any:
+    """The object a dotted ``_target_`` names (like Hydra's, without logging its own error first)."""
+    parts = target.split(".")
+    for i in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:i])
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is not None and module_name.startswith(err.name) and i > 1:
+                continue  # not a module: an attribute of a shorter prefix
+            raise
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"cannot locate {target!r}")
 
+
+def import_problem(key: str, target: str) -> Problem | None:
+    """Why ``target`` cannot be built here (it does not import, or an optional package is missing)."""
     try:
-        get_object(target)
-    except Exception as err:  # noqa: BLE001 - ImportError, or Hydra's wrapper of it
-        cause: BaseException = err
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        missing = getattr(cause, "name", None) or target.split(".")[0]
+        locate(target)
+    except (ImportError, AttributeError) as err:
+        missing = (getattr(err, "name", None) if isinstance(err, ImportError) else None) or target
         package = PACKAGES.get(str(missing).split(".")[0])
         fix = (f"pip install {package} (or {INSTALL_FROM_CLONE})" if package else
                "check the spelling, or install the package that provides it")
-        return Problem(f"{key}._target_", target, f"cannot import it ({type(cause).__name__}: {cause})", fix)
+        return Problem(f"{key}._target_", target, f"cannot import it ({type(err).__name__}: {err})", fix)
     for suffix, (modules, package) in OPTIONAL_PACKAGES.items():
         if target.endswith(suffix) and not any(importlib.util.find_spec(m) for m in modules):
             return Problem(key, f"{{_target_: {target}}}", f"{suffix} needs {' or '.join(modules)}, which is not "
@@ -266,14 +280,11 @@ def _example(key: str, default: Any) -> str:
 
 def _node_problems(key: str, node: DictConfig) -> Iterator[Problem]:
     target = str(node["_target_"])
-    problem = _import_problem(key, target)
+    problem = import_problem(key, target)
     if problem is not None:
         yield problem
         return
-    from hydra.utils import get_object
-
-    obj = get_object(target)
-    params, hints = _signature(obj)
+    params, hints = _signature(locate(target))
     schema = SCHEMAS.get(target)
     fields = {f.name: f for f in dataclasses.fields(schema)} if schema else {}
     for name in node:

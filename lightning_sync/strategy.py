@@ -222,7 +222,8 @@ class SyncDDPStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None) -> None:
         # Called on every rank by trainer.save_checkpoint; the RNG states come from every rank.
         if self._lineage is not None:
-            state = self._lineage.checkpoint_state(self._resume.loader_payload(checkpoint))
+            state = self._lineage.checkpoint_state(self._resume.loader_payload(checkpoint),
+                                                   checkpoint.get("global_step"))
             if state is not None:
                 checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -98,6 +98,12 @@ def test_pip_install_then_lsync_train_outside_the_repo(tmp_path: Path) -> None:
     assert out.count("lsync-train: config error: logger.tensorboard") == 1, out[-3000:]
     assert "pip install tensorboard" in out and "-c constraints.txt" in out, out[-3000:]
     assert "Traceback" not in out and not (outside / "tb").exists(), out[-3000:]
+    proc = run("lsync-train", "-m", "seed=1,2", "hydra/launcher=submitit_local", f"hydra.sweep.dir={outside / 'sw'}",
+               cwd=outside, env=env, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 124, 137) and "Traceback" not in out, out[-3000:]
+    assert out.count("lsync-train: config error: hydra/launcher._target_=") == 1, out[-3000:]
+    assert "pip install hydra-submitit-launcher" in out and not (outside / "sw").exists(), out[-3000:]
 
 
 def test_shipped_digits_equal_scikit_learns() -> None:

@@ -63,9 +63,11 @@ class SyncDDPStrategy(DDPStrategy):
             there. ``None`` (default): only ``ckpt_path``. See ``docs/resume.md``.
 
     After set-up, ``trainer.strategy.seed`` is the root seed, identical on every rank. Samplers use
-    it (disjoint, complete shards), model initialisation runs under it (identical replicas), then
-    every rank's RNGs switch to their own derived stream (dropout and augmentation differ across
-    ranks and workers). Per-rank RNG states are saved in checkpoints and restored on resume.
+    it (disjoint, complete shards), layers built in ``setup``/``configure_model`` are initialised under
+    it (identical on every rank from the start; a model built before ``fit`` becomes identical when
+    DDP's wrap broadcasts rank 0's weights), then every rank's RNGs switch to their own derived
+    stream (dropout and augmentation differ across ranks and workers). Per-rank RNG states are
+    saved in checkpoints and restored on resume.
     """
 
     strategy_name = "ddp_sync"

@@ -7,10 +7,11 @@
    (call-site lookup + fingerprint into the ring), the same at any world size by construction.
 2. micro: 2, 4 and 8 gloo ranks, `dist.all_reduce(float32[1])` in a loop, guard off/on alternated:
    the difference is what the guard costs per collective with its watchdog thread running.
+   The same loop under TORCH_DISTRIBUTED_DEBUG=DETAIL (torch's own collective fingerprint check).
 3. fit: a tiny MLP (batch 64/rank) on 2 ranks through Lightning's launcher, one
-   `self.log(..., sync_dist=True)` per step; `ddp_sync` with guard=False, the default guard, and
-   guard=False + TORCH_DISTRIBUTED_DEBUG=DETAIL (torch's own collective fingerprint check), alternated
-   in one process so machine noise hits all three; median step time after warm-up.
+   `self.log(..., sync_dist=True)` per step; `ddp_sync` with guard=False and the default guard,
+   alternated in one process so machine noise hits both; median step time after warm-up.
+   (DETAIL is not measured here: with it, DDP's constructor dies with SIGSEGV on gloo in torch 2.13.)
 4. main job (--main): `lsync-train experiment=digits_cpu_ddp` with the guard on and off, alternated;
    wall time of the fit.
 Ratios are what hold on a shared machine; absolute times are noisy.
@@ -38,9 +39,25 @@ def _port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _micro(rank: int, world: int, n: int, port: int) -> dict:
+def _micro(rank: int, world: int, n: int, port: int, detail: bool = False) -> dict:
     import torch
     import torch.distributed as dist
+
+    if detail:  # torch's own check: a fingerprint all-gather + monitored barrier before every collective
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+        x = torch.ones(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        for _ in range(20):
+            dist.all_reduce(x)
+        times = []
+        for _ in range(3):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(x)
+            times.append((time.perf_counter() - start) / n * 1e6)
+        dist.destroy_process_group()
+        return {"detail": statistics.median(times)}
 
     # TCP rendezvous, as under Lightning/torchrun: the watchdog talks to the TCPStore server
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -168,13 +185,16 @@ def main() -> None:
         micro = run_ranks(_micro, world, args=(args.micro_n, _port()), timeout=900, init=False)
         off = statistics.median(m["off"] for m in micro)
         on = statistics.median(m["on"] for m in micro)
-        print(f"{world} ranks: dist.all_reduce(float32[1]) off {off:8.1f} us  on {on:8.1f} us  "
-              f"ratio {on / off:5.2f}  guard {on - off:+7.1f} us per collective")
-    # TORCH_DISTRIBUTED_DEBUG=DETAIL must be set before torch starts (changing the level at run time
-    # crashed DDP's constructor here), so its fits run in their own process, alternating with the others.
-    fit: dict[str, list[float]] = {"off": [], "on": [], "detail": []}
+        detail = statistics.median(
+            m["detail"] for m in run_ranks(_micro, world, args=(args.micro_n, _port(), True), timeout=900, init=False))
+        print(f"{world} ranks: dist.all_reduce(float32[1]) off {off:8.1f} us  guard {on:8.1f} us ({on / off:5.2f}x, "
+              f"{on - off:+7.1f} us per collective)  DETAIL {detail:8.1f} us ({detail / off:5.2f}x)")
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL is measured in the micro part only: with it, DDP's constructor dies
+    # with SIGSEGV on gloo in torch 2.13 (DDP's Logger.set_construction_data_and_log), set before torch
+    # starts or at run time alike.
+    fit: dict[str, list[float]] = {"off": [], "on": []}
     for _ in range(args.repeats):
-        for labels, env in (("off,on", {}), ("detail", {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})):
+        for labels, env in (("off,on", {}),):
             with tempfile.TemporaryDirectory() as tmp:
                 subprocess.run(["timeout", "-k", "5", "1800", sys.executable, __file__, "--fit-out", tmp,
                                 "--steps", str(args.steps), "--repeats", "1", "--labels", labels], check=True,
@@ -182,9 +202,8 @@ def main() -> None:
                 for k, v in json.loads((Path(tmp) / "fit.json").read_text()).items():
                     fit[k] += v
     for name, pick in (("median", statistics.median), ("best", min)):
-        s_off, s_on, s_det = (pick(fit[k]) for k in ("off", "on", "detail"))
-        print(f"MLP step + 1 sync_dist ({name} fit): off {s_off:.3f} ms  guard {s_on:.3f} ms ({s_on / s_off:.3f}x)  "
-              f"DETAIL {s_det:.3f} ms ({s_det / s_off:.3f}x)")
+        s_off, s_on = (pick(fit[k]) for k in ("off", "on"))
+        print(f"MLP step + 1 sync_dist ({name} fit): off {s_off:.3f} ms  guard {s_on:.3f} ms ({s_on / s_off:.3f}x)")
     print("(per-fit medians, ms: " + "; ".join(f"{k} {['%.2f' % t for t in v]}" for k, v in fit.items())
           + f"; {args.steps} steps per fit, 2 ranks, gloo)")
     if args.main:

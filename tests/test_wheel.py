@@ -25,6 +25,7 @@ def run(*command: str | Path, timeout: int = 180, **kwargs: object) -> subproces
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * (180 + 20) + (240 + 20) + 60)  # the inner limits of its four commands, in a row
 def test_wheel_install_runs_lsync_train_outside_the_repo(tmp_path: Path) -> None:
     src = tmp_path / "src"  # a clean copy: building in the checkout would leave build/ behind (and reuse it)
     shutil.copytree(REPO / "lightning_sync", src / "lightning_sync", ignore=shutil.ignore_patterns("__pycache__"))

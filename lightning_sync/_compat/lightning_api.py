@@ -160,7 +160,8 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                lambda: _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY == (LIGHTNING_VERSION >= Version("2.6.0"))),
     TouchPoint("lightning.pytorch.loops._FitLoop.max_batches and Trainer.val_check_batch",
                "uneven_batches='stop_together'",
-               lambda: hasattr(_trainer().fit_loop, "max_batches") and hasattr(_trainer(), "val_check_batch")),
+               lambda: hasattr(_trainer().fit_loop, "max_batches")
+               and "trainer.val_check_batch" in inspect.getsource(type(_trainer().fit_loop))),
     TouchPoint("lightning.pytorch.Trainer._results", "logged keys compared across ranks",
                lambda: hasattr(_trainer(), "_results")),
     TouchPoint("lightning.fabric.strategies.launchers.subprocess_script._launch_process_observer",

@@ -39,8 +39,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from lightning_sync import collectives
 from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, BatchNormBase, TorchSyncBatchNormFunction, all_gather_single
-from lightning_sync.errors import format_ranks
+from lightning_sync.errors import RankMismatchError, format_ranks
 
 __all__ = [
     "SyncBatchNorm",
@@ -59,6 +60,7 @@ EXCLUDE_ATTR = "sync_batchnorm"
 _ORIGINAL_CLASS = "_lsync_original_class"
 _ORIGINAL_GROUP = "_lsync_original_process_group"
 _SEEN_NDIM = "_lsync_seen_ndim"
+_CHECKED_GROUP = "_lsync_checked_group"  # the group this layer's metadata was last compared over
 _MISSING = object()
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -117,6 +119,8 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         gathered = gathered.view(world_size, -1)
 
         counts = gathered[:, 0]
+        if bool((counts < 0).any()):  # a rank's input was refused (see SyncBatchNorm.forward): raise it here too
+            _raise_input_problems(None, group)
         total = int(counts.sum().item())
         if total == 1:
             per_rank = [int(c) for c in counts.tolist()]
@@ -204,6 +208,20 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
+def _raise_problem_text(problems: dict[int, str], world: int) -> None:
+    listed = "; ".join(f"rank {r}: {p}" for r, p in problems.items())
+    where = "rank" if len(problems) == 1 else "ranks"
+    raise ValueError(f"SyncBatchNorm: bad input on {where} {', '.join(map(str, problems))} of {world} (every rank "
+                     f"raises this error): {listed}")
+
+
+def _raise_input_problems(problem: str | None, group: dist.ProcessGroup) -> None:
+    """Error path of a later step: every rank learns every rank's refused input, then raises it."""
+    every: list[Any] = collectives.gather_objects(problem, group=group, safe=True) or []
+    ranks = collectives._global_ranks(group)
+    _raise_problem_text({r: p for r, p in zip(ranks, every) if p is not None}, len(ranks))
+
+
 # --------------------------------------------------------------------------------------------------
 # the module
 
@@ -233,9 +251,17 @@ class SyncBatchNorm(BatchNormBase):
         dtype: their dtype.
         bias: learn a bias (only with ``affine=True``).
 
+    The first distributed training forward of each layer also compares, across the ranks of its
+    group, whether each rank's input is acceptable, ``num_features``, the input dtype and the input
+    rank (one small exchange per layer, not per step); later, a refused input on one rank is flagged
+    inside the statistics exchange itself. Either way every rank raises the same error instead of
+    gloo aborting one process on mismatched sizes and another carrying on with garbage statistics.
+
     Raises:
-        ValueError: the input has fewer than 2 dimensions or no channels; in training mode, the
-            batch over all ranks holds a single value per channel (raised on every rank).
+        ValueError: the input is one torch's layer refuses (a converted ``BatchNorm2d`` takes 4-D
+            input only), or its channel count is not ``num_features``; in training mode, the batch
+            over all ranks holds a single value per channel. Raised on every rank when distributed.
+        RankMismatchError: ``num_features``, input dtype or input rank differ across ranks.
     """
 
     def __init__(
@@ -255,14 +281,90 @@ class SyncBatchNorm(BatchNormBase):
         self.process_group = process_group
 
     def _check_input_dim(self, input: Tensor) -> None:
+        problem = self._input_problem(input)
+        if problem is not None:
+            raise ValueError(problem)
+
+    def _input_problem(self, input: Any) -> str | None:
+        """Why torch's layer would refuse ``input`` (this layer's original class decides), or None."""
+        if not isinstance(input, Tensor):
+            return f"expected a tensor input, got {type(input).__name__}"
+        original = self.__dict__.get(_ORIGINAL_CLASS)
+        check = getattr(original, "_check_input_dim", None) if original is not None else None
+        try:
+            if check is not None:  # a converted BatchNorm2d accepts 4-D input only, as before conversion
+                check(self, input)
+            elif input.dim() < 2:
+                raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+        except NotImplementedError:  # the BatchNorm base class: any dimensionality of at least 2
+            if input.dim() < 2:
+                return f"expected at least 2D input (got {input.dim()}D input)"
+        except ValueError as err:
+            return str(err)
         if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+            return f"expected at least 2D input (got {input.dim()}D input)"
         if input.size(1) == 0:
-            raise ValueError("SyncBatchNorm number of input channels should be non-zero")
+            return "SyncBatchNorm number of input channels should be non-zero"
+        if input.size(1) != self.num_features:
+            return (f"expected input with {self.num_features} channels (dim 1) for this layer, got "
+                    f"{input.size(1)} (input shape {tuple(input.shape)})")
+        if not (input.is_floating_point() or input.is_complex()):
+            return f"expected a floating point input, got {input.dtype}"
+        return None
+
+    def _agree(self, input: Tensor, problem: str | None, group: dist.ProcessGroup | None) -> None:
+        """Once per layer and group (its first distributed training forward): every rank reports its input
+        problem, channel count, dtype and input rank, and every rank raises the same error if any is off.
+
+        After that, a refused input on one rank is signalled inside the statistics exchange itself, so
+        the steady state costs no extra collective."""
+        if self.__dict__.get(_CHECKED_GROUP) is group and group is not None:
+            portable = self._device().type != "cuda" or "gloo" in str(dist.get_backend(group)).lower()
+            if problem is not None and portable:  # join this step's statistics exchange with a flag, then explain
+                flag = torch.full((2 * self.num_features + 1,), -1.0, dtype=torch.float64, device=self._device())
+                world = dist.get_world_size(group)
+                all_gather_single(torch.empty(world * flag.numel(), dtype=flag.dtype, device=flag.device), flag,
+                                   group=group)
+                _raise_input_problems(problem, group)
+            if problem is not None:  # torch's NCCL kernels: no room for a flag in their exchange
+                raise ValueError(problem)
+            return
+        dtype = str(input.dtype).removeprefix("torch.") if isinstance(input, Tensor) else "-"
+        ndim = input.dim() if isinstance(input, Tensor) else -1
+        mine = (problem, self.num_features, dtype, ndim)
+        every: list[Any] = collectives.gather_objects(mine, group=group, safe=True) or []
+        ranks = collectives._global_ranks(group)
+        problems = {r: p for r, (p, *_) in zip(ranks, every) if p is not None}
+        if problems:
+            _raise_problem_text(problems, len(ranks))
+        for what, at, fix in (
+                ("num_features", 1, "Build the same model on every rank (the channel count must not depend on the "
+                                    "rank)."),
+                ("input dtype", 2, "Feed the same dtype on every rank (the same autocast / precision setting)."),
+                ("input dimensions", 3, "Feed inputs of the same rank (N, C, ...) on every rank.")):
+            values = {r: entry[at] for r, entry in zip(ranks, every)}
+            if len(set(values.values())) > 1:
+                raise RankMismatchError(f"SyncBatchNorm: {what} differs across ranks: {format_ranks(values)}. {fix}",
+                                        values)
+        self.__dict__[_CHECKED_GROUP] = group
+
+    def _device(self) -> torch.device:
+        for t in (self.weight, self.running_mean):
+            if t is not None:
+                return t.device
+        return torch.device("cpu")
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalise ``input``; a collective in training mode when distributed (see the class doc)."""
-        self._check_input_dim(input)
+        problem = self._input_problem(input)
+        group_ = self.process_group if self.process_group is not None else dist.group.WORLD
+        distributed = (self.training and dist.is_available() and dist.is_initialized()
+                       and dist.get_world_size(group_) > 1)
+        if distributed:
+            # every rank hears about a bad input on any rank, instead of gloo aborting on mismatched sizes
+            self._agree(input, problem, group_)
+        elif problem is not None:
+            raise ValueError(problem)
         # Remembered so that revert_sync_batchnorm can give back a BatchNorm of the right dimensionality.
         self.__dict__[_SEEN_NDIM] = input.dim()
 
@@ -411,7 +513,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         if cls is None:
             cls = _BY_NDIM.get(module.__dict__.get(_SEEN_NDIM, 0), _BatchNormXd)
         original_group: Any = module.__dict__.get(_ORIGINAL_GROUP, _MISSING)
-        out = _clone_into(cls, module, drop=(_ORIGINAL_CLASS, _ORIGINAL_GROUP, _SEEN_NDIM, "process_group"))
+        out = _clone_into(cls, module, drop=(_ORIGINAL_CLASS, _ORIGINAL_GROUP, _SEEN_NDIM, _CHECKED_GROUP,
+                                                    "process_group"))
         if original_group is not _MISSING:
             out.__dict__["process_group"] = original_group
     for child_name, child in list(out._modules.items()):

@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import PathLike, StrategyRegistryType
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
+from lightning_sync.checkpoint_io import AtomicCheckpointIO
 from lightning_sync.collectives import validate_seed
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
@@ -180,6 +181,22 @@ class SyncDDPStrategy(DDPStrategy):
         return dataloader
 
     # ------------------------------------------------------------------ checkpoints
+
+    @property
+    def checkpoint_io(self) -> Any:
+        # Lightning's default stages the file in $TMPDIR and moves it into place: not atomic across
+        # file systems. Ours writes beside the target and renames (lightning_sync.checkpoint_io).
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        else:
+            wrapper: Any = self._checkpoint_io  # AsyncCheckpointIO and friends wrap another IO, maybe not set yet
+            if hasattr(type(wrapper), "checkpoint_io") and wrapper.checkpoint_io is None:
+                wrapper.checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None) -> None:

@@ -254,7 +254,9 @@ class SyncDDPStrategy(DDPStrategy):
             finally:
                 if self._guard is not None:
                     self._guard.uninstall()
-            dist.destroy_process_group()
+            env = self.cluster_environment
+            assert env is not None
+            destroy_default_group(env.main_address, env.main_port)
 
     # ------------------------------------------------------------------ registry
 
@@ -263,6 +265,31 @@ class SyncDDPStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         # Overridden so DDPStrategy's names ("ddp", ...) are not registered a second time.
         register(strategy_registry)
+
+
+def destroy_default_group(main_address: str, main_port: int, wait: float = 3.0) -> None:
+    """``destroy_process_group()``; ranks > 0 then wait (at most ``wait`` s) until rank 0's store is closed.
+
+    Rank 0 serves the rendezvous store on ``MASTER_PORT``. A rank that raced ahead into the next
+    ``trainer.fit``/``validate`` of the same script would otherwise reach the old server, still open
+    while rank 0 tears down, and fail when it closes ("Connection was likely closed"). Under torchrun
+    the agent serves the store and keeps it: nothing to wait for.
+    """
+    import os
+    import socket
+    import time
+
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((main_address, main_port), timeout=0.5).close()
+        except OSError:
+            return  # refused: the old server is gone
+        time.sleep(0.02)
 
 
 def register(strategy_registry: StrategyRegistryType) -> None:

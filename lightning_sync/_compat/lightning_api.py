@@ -11,6 +11,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
     _launch_process_observer as launch_process_observer,
 )
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
@@ -26,6 +27,7 @@ __all__ = [
     "StrategyRegistryType",
     "SubprocessScriptLauncher",
     "check_can_spawn_children",
+    "checkpoint_io_load_kwargs",
     "current_hook_name",
     "launch_process_observer",
     "layer_sync",
@@ -84,11 +86,19 @@ def set_launcher(strategy: DDPStrategy, launcher: Any) -> None:
 
 
 _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(DDPStrategy.load_checkpoint).parameters
+_CHECKPOINT_IO_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(TorchCheckpointIO.load_checkpoint).parameters
 
 
 def load_checkpoint_kwargs(weights_only: bool | None) -> dict[str, Any]:
     """``weights_only`` for ``Strategy.load_checkpoint`` where Lightning takes it (2.6.0 on)."""
     if weights_only is None or not _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY:
+        return {}
+    return {"weights_only": weights_only}
+
+
+def checkpoint_io_load_kwargs(weights_only: bool | None) -> dict[str, Any]:
+    """``weights_only`` for ``TorchCheckpointIO.load_checkpoint`` where Lightning takes it (2.6.0 on)."""
+    if weights_only is None or not _CHECKPOINT_IO_TAKES_WEIGHTS_ONLY:
         return {}
     return {"weights_only": weights_only}
 
@@ -155,9 +165,10 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "the Hydra-aware launcher",
                lambda: {"_start_method", "_launcher"} <= set(_ddp_vars())
                and callable(getattr(DDPStrategy, "_configure_launcher", None))),
-    TouchPoint("lightning.pytorch.strategies.DDPStrategy.load_checkpoint(weights_only=...)",
+    TouchPoint("DDPStrategy.load_checkpoint and TorchCheckpointIO.load_checkpoint (weights_only=...)",
                "resume: weights_only passed only where Lightning takes it (2.6.0 on)",
-               lambda: _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY == (LIGHTNING_VERSION >= Version("2.6.0"))),
+               lambda: _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY == (LIGHTNING_VERSION >= Version("2.6.0"))
+               and _CHECKPOINT_IO_TAKES_WEIGHTS_ONLY == (LIGHTNING_VERSION >= Version("2.6.0"))),
     TouchPoint("lightning.pytorch.loops._FitLoop.max_batches and Trainer.val_check_batch",
                "uneven_batches='stop_together'",
                lambda: hasattr(_trainer().fit_loop, "max_batches")

@@ -56,3 +56,10 @@ class ParameterDivergenceError(LightningSyncError):
         super().__init__(message)
         self.name = name
         self.values: dict[int, Any] = dict(values or {})
+
+
+class ResumeError(LightningSyncError):
+    """A checkpoint cannot resume this run as configured (data, batch size, sampler, or a damaged file).
+
+    Raised before any training step; no checkpoint is changed or deleted.
+    """

@@ -181,15 +181,24 @@ class SeedLineage:
 
     # ---------------------------------------------------------------- checkpoints
 
-    def checkpoint_state(self) -> dict[str, Any] | None:
-        """Every rank's RNG state, gathered to rank 0 (a collective: call on every rank).
+    def checkpoint_state(self, extra: Any = None) -> dict[str, Any] | None:
+        """Every rank's RNG state (and ``extra``), gathered to rank 0 (a collective: call on every rank).
 
-        Returns the dict to store under ``checkpoint["lightning_sync"]`` on rank 0, None elsewhere.
+        Returns the dict to store under ``checkpoint["lightning_sync"]`` on rank 0, None elsewhere;
+        ``extra`` of every rank lands in its ``"loader_states"`` list (one gather for both).
         """
-        states = gather_objects(_collect_rng_state(), dst=0) if is_distributed() else [_collect_rng_state()]
-        if states is None:
+        mine = (_collect_rng_state(), extra)
+        gathered = gather_objects(mine, dst=0) if is_distributed() else [mine]
+        if gathered is None:
             return None
-        return {"root_seed": self.root, "world_size": self.world_size, "rng_states": states}
+        state = {"root_seed": self.root, "world_size": self.world_size, "rng_states": [g[0] for g in gathered]}
+        if extra is not None:
+            state["loader_states"] = [g[1] for g in gathered]
+        return state
+
+    def pending_rng_state(self) -> dict[str, Any] | None:
+        """The RNG state queued from a checkpoint for this rank (None: fresh streams)."""
+        return self._pending_rng
 
     def load_checkpoint_state(self, state: dict[str, Any] | None, rank: int) -> None:
         """Adopt a checkpoint's root seed and queue this rank's RNG state for :meth:`seed_rank_streams`."""

@@ -25,6 +25,7 @@ from lightning_sync.checkpoint_io import AtomicCheckpointIO
 from lightning_sync.collectives import validate_seed
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
+from lightning_sync.resume import ResumeHooks, init_process_group_after_restart, make_resumable
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
 
 __all__ = ["SyncDDPStrategy"]
@@ -48,6 +49,9 @@ class SyncDDPStrategy(DDPStrategy):
         uneven_batches: what to do when ranks have different numbers of training batches (a rank
             with more would hang in DDP's all-reduce): ``"error"`` raises at epoch start;
             ``"stop_together"`` ends every rank's epoch when the shortest rank runs out.
+        resume: ``"auto"``: when ``fit`` gets no ``ckpt_path``, resume from the newest checkpoint of
+            the run that loads completely (after an elastic restart or a requeue); a directory: search
+            there. ``None`` (default): only ``ckpt_path``. See ``docs/resume.md``.
 
     After set-up, ``trainer.strategy.seed`` is the root seed, identical on every rank. Samplers use
     it (disjoint, complete shards), model initialisation runs under it (identical replicas), then
@@ -58,8 +62,11 @@ class SyncDDPStrategy(DDPStrategy):
     strategy_name = "ddp_sync"
 
     def __init__(self, *args: Any, seed: int | None = None, guard: bool | CollectiveGuard = True,
-                 guard_timeout: float | None = None, uneven_batches: str = "error", **kwargs: Any) -> None:
+                 guard_timeout: float | None = None, uneven_batches: str = "error", resume: str | None = None,
+                 **kwargs: Any) -> None:
         validate_seed(seed, "SyncDDPStrategy(seed=...)")
+        if resume is not None and not isinstance(resume, str):
+            raise TypeError(f"SyncDDPStrategy(resume={resume!r}): use None, 'auto' or a directory path.")
         if uneven_batches not in ("error", "stop_together"):
             raise ValueError(f"SyncDDPStrategy(uneven_batches={uneven_batches!r}): use 'error' or 'stop_together'.")
         super().__init__(*args, **kwargs)
@@ -73,6 +80,8 @@ class SyncDDPStrategy(DDPStrategy):
         self._pending_checkpoint_state: dict[str, Any] | None = None
         self._failed = False
         self._peers: list[Peer] = []
+        self._resume_arg = resume
+        self._resume = ResumeHooks()
 
     @property
     def seed(self) -> int | None:
@@ -95,6 +104,8 @@ class SyncDDPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         if self._guard is not None and _compat.process_group_backend(self) == "nccl":
             configure_nccl_flight_recorder()  # read by NCCL at process-group creation: set it first
+        init_process_group_after_restart(_compat.process_group_backend(self), _compat.process_group_timeout(self),
+                                         self.root_device if self.root_device.type != "cpu" else None)
         super().setup_distributed()
         self._peers = gather_peers()  # host and address per rank: names a lost peer (on_exception)
         if self._guard is not None:
@@ -119,6 +130,10 @@ class SyncDDPStrategy(DDPStrategy):
 
             if not any(isinstance(cb, GuardChecks) for cb in trainer.callbacks):
                 trainer.callbacks.append(GuardChecks(self.uneven_batches))
+        from lightning_sync.callbacks.resume import ResumeEpochLength
+
+        if not any(isinstance(cb, ResumeEpochLength) for cb in trainer.callbacks):
+            trainer.callbacks.append(ResumeEpochLength())
 
     @override
     def configure_ddp(self) -> None:
@@ -144,6 +159,7 @@ class SyncDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._resume.on_train_start()  # a mid-epoch checkpoint's RNG states, now that the iterator exists
         self._unguard_on_sigterm()
 
     def _unguard_on_sigterm(self) -> None:
@@ -178,6 +194,10 @@ class SyncDDPStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         if self._lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
             dataloader.worker_init_fn = WorkerSeeder(self._lineage.root, self.global_rank)  # type: ignore[attr-defined]
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.training:  # the training loader resumes mid-epoch (resume.py)
+            dataloader = make_resumable(dataloader)
+            self._resume.check_training_loader(dataloader)
         return dataloader
 
     # ------------------------------------------------------------------ checkpoints
@@ -202,7 +222,7 @@ class SyncDDPStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None) -> None:
         # Called on every rank by trainer.save_checkpoint; the RNG states come from every rank.
         if self._lineage is not None:
-            state = self._lineage.checkpoint_state()
+            state = self._lineage.checkpoint_state(self._resume.loader_payload(checkpoint))
             if state is not None:
                 checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -211,6 +231,7 @@ class SyncDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning passes weights_only from 2.6.0 on; older ones have no such parameter.
         checkpoint = super().load_checkpoint(checkpoint_path, **_compat.load_checkpoint_kwargs(weights_only))
+        self._resume.on_load(checkpoint, self.world_size, self.global_rank)  # each rank's loader state
         self._pending_checkpoint_state = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 
@@ -224,6 +245,10 @@ class SyncDDPStrategy(DDPStrategy):
                 assert self.cluster_environment is not None
                 _compat.set_launcher(self, HydraDDPLauncher(self.cluster_environment, self.num_processes,
                                                             self.num_nodes))
+        if self._resume_arg is not None:  # resume="auto": fit without ckpt_path picks the newest checkpoint
+            from lightning_sync.resume import auto_resume_directories, install_auto_resume
+
+            install_auto_resume(self.launcher, auto_resume_directories(self._resume_arg))
 
     # ------------------------------------------------------------------ teardown
 

@@ -308,6 +308,8 @@ def test_lightning_ddp_on_three_ranks(tmp_path: Path) -> None:
         check_gathered(rep["test"]["gathered"]["1"], list(range(5)), w, 5)
         acc, auroc = exact_metrics(w, 1001)
         assert rep["validate"]["callback_metrics"]["val_auroc/dataloader_idx_0"] == pytest.approx(auroc, abs=1e-5)
+        assert rep["validate"]["metric_samples"]["val_auroc/dataloader_idx_0"] == 1001
+        assert rep["validate"]["metric_samples"]["val_acc/dataloader_idx_1"] == len(kept)
 
 
 @pytest.mark.slow

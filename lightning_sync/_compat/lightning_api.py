@@ -34,11 +34,13 @@ __all__ = [
     "load_checkpoint_kwargs",
     "logged_keys",
     "process_group_backend",
+    "process_group_timeout",
     "set_launcher",
     "set_layer_sync",
     "set_num_threads_if_needed",
     "start_method",
     "stop_epoch_after",
+    "train_combined_loader",
 ]
 
 LIGHTNING_VERSION = Version(lightning.__version__)
@@ -58,6 +60,11 @@ else:
 def process_group_backend(strategy: DDPStrategy) -> str:
     """The backend the strategy will create its process group with (also before it exists)."""
     return str(strategy._get_process_group_backend())
+
+
+def process_group_timeout(strategy: DDPStrategy) -> Any:
+    """The ``timeout`` the strategy creates its process group with (a ``timedelta``)."""
+    return strategy._timeout
 
 
 def current_hook_name(module: object) -> str | None:
@@ -114,6 +121,15 @@ def stop_epoch_after(trainer: Any, batches: int, val_check_batch: int | None) ->
     trainer.fit_loop.max_batches = batches
     if val_check_batch is not None:
         trainer.val_check_batch = val_check_batch
+
+
+def train_combined_loader(trainer: Any) -> Any:
+    """The fit loop's ``CombinedLoader`` (its ``limits`` hold the batch count of each training loader).
+
+    ``trainer.train_dataloader`` gives the loaders but not their limits; a resume on another world
+    size re-counts them (``lightning_sync.resume.EpochLengthSync``).
+    """
+    return trainer.fit_loop._combined_loader
 
 
 def logged_keys(trainer: Any) -> list[str]:
@@ -173,6 +189,11 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "uneven_batches='stop_together'",
                lambda: hasattr(_trainer().fit_loop, "max_batches")
                and "trainer.val_check_batch" in inspect.getsource(type(_trainer().fit_loop))),
+    TouchPoint("lightning.pytorch.loops._FitLoop._combined_loader (CombinedLoader.limits)",
+               "resume on another world size: batch count of later epochs",
+               lambda: hasattr(_trainer().fit_loop, "_combined_loader")),
+    TouchPoint("lightning.pytorch.strategies.DDPStrategy._timeout", "torchrun restart: process group timeout",
+               lambda: "_timeout" in _ddp_vars()),
     TouchPoint("lightning.pytorch.Trainer._results", "logged keys compared across ranks",
                lambda: hasattr(_trainer(), "_results")),
     TouchPoint("lightning.fabric.strategies.launchers.subprocess_script._launch_process_observer",

@@ -62,7 +62,7 @@ def check_replicas(module: torch.nn.Module, buffers: bool = True, optimizer: tor
                 if isinstance(value, torch.Tensor) and value.numel() > 1:
                     flat = value.detach().reshape(-1).double()
                     named.append((f"optimizer.state[{i}].{key}", float(flat.sum())))
-    gathered = collectives.gather_objects([(name, value) for name, value in named])
+    gathered = collectives.gather_objects([(name, value) for name, value in named], safe=True)
     assert gathered is not None
     names = [[n for n, _ in rank_items] for rank_items in gathered]
     if any(n != names[0] for n in names):
@@ -101,7 +101,7 @@ def warn_if_initial_parameters_differ(module: torch.nn.Module) -> bool:
         return False
     mine = [value for _, value in parameter_checksums(_unwrap(module), buffers=False)]
     total = math.fsum(abs(v) for v in mine)
-    gathered = collectives.gather_objects((total, mine))
+    gathered = collectives.gather_objects((total, mine), safe=True)
     assert gathered is not None
     if all(g[1] == gathered[0][1] for g in gathered):
         return False
@@ -172,7 +172,7 @@ class GuardChecks(pl.Callback):
         if trainer.world_size < 2:
             return
         mine = trainer.num_training_batches
-        counts = collectives.gather_objects(mine)
+        counts = collectives.gather_objects(mine, safe=True)
         assert counts is not None
         if len(set(counts)) == 1:
             return
@@ -202,7 +202,7 @@ class GuardChecks(pl.Callback):
         if trainer.world_size < 2 or trainer.sanity_checking:
             return
         keys = _compat.logged_keys(trainer)
-        gathered = collectives.gather_objects(keys)
+        gathered = collectives.gather_objects(keys, safe=True)
         assert gathered is not None
         if all(k == gathered[0] for k in gathered):
             return

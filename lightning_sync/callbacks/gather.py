@@ -222,6 +222,7 @@ class ValidationGather(pl.Callback):
         gathered: ``{dataloader_idx: outputs}`` of the most recent epoch of any gathered stage.
         results: ``{stage: {dataloader_idx: outputs}}``, the most recent epoch of each stage.
         metrics: ``{logged name: value}`` of the most recent epoch of each stage.
+        metric_samples: ``{logged name: N}``, the number of distinct samples each value was computed on.
     """
 
     def __init__(self, keys: Sequence[str] | None = None, *, metrics: Mapping[str, Any] | None = None,
@@ -249,6 +250,7 @@ class ValidationGather(pl.Callback):
         self.gathered: dict[int, dict[str, Any]] = {}
         self.results: dict[str, dict[int, dict[str, Any]]] = {}
         self.metrics: dict[str, Any] = {}
+        self.metric_samples: dict[str, int] = {}
         self._recorder = _Recorder()
         self._collectors: dict[int, RowCollector] = {}
         self._warned: set[str] = set()
@@ -422,14 +424,16 @@ class ValidationGather(pl.Callback):
             except Exception as err:  # noqa: BLE001 - re-raised on every rank below
                 error = f"{type(err).__name__}: {err}"
         scalars = {k: float(v) for k, v in local.items() if _is_scalar(v)}
+        samples = len(out[INDEX_KEY]) if out is not None else 0
         # plain data only (safe=True): rank 0's bytes cannot run code on the other ranks
-        shared = collectives.broadcast_object({"scalars": scalars, "error": error} if out is not None else None, src=0,
-                                              safe=True)
+        shared = collectives.broadcast_object({"scalars": scalars, "error": error, "samples": samples}
+                                              if out is not None else None, src=0, safe=True)
         if shared["error"] is not None:
             raise RuntimeError(f"ValidationGather: a metric failed on rank 0 ({stage}, dataloader {dataloader_idx}): "
                                f"{shared['error']}")
         self.metrics.update(local)
         self.metrics.update(shared["scalars"])
+        self.metric_samples.update({name: int(shared["samples"]) for name in [*local, *shared["scalars"]]})
         return dict(shared["scalars"])
 
     def _apply(self, fn: Any, out: dict[str, Any]) -> Any:

@@ -261,6 +261,7 @@ def main() -> None:
         "gathered": {i: encode(o) for i, o in everyone.gathered.items()},
         "rank0": {i: encode(o) for i, o in rank0.gathered.items()},
         "callback_metrics": {k: float(v) for k, v in val.callback_metrics.items()},
+        "metric_samples": everyone.metric_samples,
         "weights": weights,
     }
 

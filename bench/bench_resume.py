@@ -122,7 +122,7 @@ tr.fit(M(), DataLoader(D(), batch_size=32, shuffle=True, num_workers=workers, pe
 '''
 
 
-def bench_save(rounds: int = 3) -> None:
+def bench_save(rounds: int = 2) -> None:
     here = Path(__file__).resolve().parents[1]
     for workers in (0, 2):
         times: dict[str, list[float]] = {"plain": [], "resumable": []}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sized
 
@@ -303,9 +304,15 @@ def make_resumable(dataloader: object, *, warn: bool = True) -> object:
                                               shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
     new_sampler.epoch = sampler.epoch
     workers = dataloader.num_workers
+    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        return _build(dataloader, dataset, new_sampler, workers)
+
+
+def _build(dataloader: DataLoader, dataset: Any, sampler: ResumableDistributedSampler, workers: int) -> object:  # type: ignore[type-arg]
     return resumable_loader_class()(
         _WorkerRNGDataset(dataset) if workers else dataset,
-        batch_size=dataloader.batch_size, sampler=new_sampler, num_workers=workers,
+        batch_size=dataloader.batch_size, sampler=sampler, num_workers=workers,
         collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory, drop_last=dataloader.drop_last,
         timeout=dataloader.timeout, worker_init_fn=dataloader.worker_init_fn,
         multiprocessing_context=dataloader.multiprocessing_context if workers else None,
@@ -382,7 +389,7 @@ def describe_reshard(sampler_state: dict[str, Any], world_size: int) -> str:
     left = sampler_state["dataset_len"] - consumed
     return (f"lightning_sync: resuming epoch {sampler_state['epoch']} on {world_size} ranks (checkpoint: {old}); "
             f"{consumed} of {sampler_state['dataset_len']} samples were seen, the other {left} are dealt out "
-            f"again over {world_size} ranks. Per-rank RNG streams restart from the checkpoint's root seed.")
+            f"again over {world_size} ranks. Per-rank RNG streams start anew from the checkpoint's root seed.")
 
 
 # ------------------------------------------------------------------------------------ auto-resume
@@ -401,6 +408,8 @@ def find_resume_checkpoint(directories: list[Path]) -> Path | None:
     for directory in directories:
         if directory.is_dir():
             candidates += [p for p in directory.rglob("*.ckpt") if p.is_file()]
+        elif directory.is_file():
+            candidates.append(directory)
     for path in sorted(candidates, key=lambda p: p.stat().st_mtime_ns, reverse=True):
         problem = checkpoint_problem(path)
         if problem is None:
@@ -523,16 +532,19 @@ def install_auto_resume(launcher: Any, directories: Any) -> None:
 
 
 def auto_resume_directories(resume: str) -> Any:
-    """The directories ``resume`` names: ``"auto"``: every ModelCheckpoint's ``dirpath``; else the path itself."""
+    """Where ``resume`` looks: ``"auto"``: every ModelCheckpoint's ``dirpath`` and Lightning's SLURM
+    ``hpc_ckpt_*.ckpt`` files in ``default_root_dir``; else the directory given."""
 
     def directories(trainer: Any) -> list[Path]:
         if resume != "auto":
             return [Path(resume)]
         dirs = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
-        if not dirs:
+        # Lightning's own SLURM preemption checkpoints (SIGUSR1 -> hpc_ckpt_N.ckpt in default_root_dir)
+        hpc = sorted(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))
+        if not dirs and not hpc:
             log.warning("lightning_sync: resume='auto' has nowhere to look: no ModelCheckpoint(dirpath=...). A "
                         "restarted run starts fresh; set dirpath, or pass resume=<directory>.")
-        return dirs
+        return dirs + hpc
 
     return directories
 

@@ -12,6 +12,7 @@ import signal
 import threading
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
@@ -23,7 +24,9 @@ from lightning_sync._compat.lightning_api import PathLike, StrategyRegistryType
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.checkpoint_io import AtomicCheckpointIO
 from lightning_sync.collectives import validate_seed
+from lightning_sync.errors import UnevenEvaluationError
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
+from lightning_sync.sampling import ExactEvaluation, evaluation_limit, exact_eval_dataloader, is_integer_mean
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
 from lightning_sync.resume import ResumeHooks, init_process_group_after_restart, make_resumable
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
@@ -49,6 +52,10 @@ class SyncDDPStrategy(DDPStrategy):
         uneven_batches: what to do when ranks have different numbers of training batches (a rank
             with more would hang in DDP's all-reduce): ``"error"`` raises at epoch start;
             ``"stop_together"`` ends every rank's epoch when the shortest rank runs out.
+        exact_eval: evaluate every sample of validate, test, fit's validation and predict on exactly
+            one rank, once (no padding), in equal step counts wherever possible, and reduce
+            ``self.log(..., sync_dist=True)`` epoch means exactly (see ``lightning_sync.sampling``).
+            ``False``: Lightning's padded ``DistributedSampler``.
         resume: ``"auto"``: when ``fit`` gets no ``ckpt_path``, resume from the newest checkpoint of
             the run that loads completely (after an elastic restart or a requeue); a directory: search
             there. ``None`` (default): only ``ckpt_path``. See ``docs/resume.md``.
@@ -63,6 +70,7 @@ class SyncDDPStrategy(DDPStrategy):
 
     def __init__(self, *args: Any, seed: int | None = None, guard: bool | CollectiveGuard = True,
                  guard_timeout: float | None = None, uneven_batches: str = "error", resume: str | None = None,
+                 exact_eval: bool = True,
                  **kwargs: Any) -> None:
         validate_seed(seed, "SyncDDPStrategy(seed=...)")
         if resume is not None and not isinstance(resume, str):
@@ -76,6 +84,8 @@ class SyncDDPStrategy(DDPStrategy):
         if self._guard is not None and guard_timeout is not None:
             self._guard.timeout = self._guard.hang_timeout = CollectiveGuard(timeout=guard_timeout).timeout
         self.uneven_batches = uneven_batches
+        self.exact_eval = bool(exact_eval)
+        self._exact_eval = ExactEvaluation() if exact_eval else None
         self._lineage: SeedLineage | None = None
         self._pending_checkpoint_state: dict[str, Any] | None = None
         self._failed = False
@@ -141,13 +151,32 @@ class SyncDDPStrategy(DDPStrategy):
         if self._guard is not None:
             from lightning_sync.callbacks.consistency import warn_if_initial_parameters_differ
 
-            warn_if_initial_parameters_differ(self.model)  # DDP is about to overwrite them with rank 0's
+            warn_if_initial_parameters_differ(self.model, self._ddp_kwargs)  # only what DDP will not overwrite
         super().configure_ddp()
         if self._guard is not None and self.model is not None:
             self._guard.watch_module(self.model)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if self._exact_eval is not None and isinstance(tensor, Tensor):
+            self._check_step_collective("self.log(..., sync_dist=True)")
+            if is_integer_mean(tensor, reduce_op):  # self.log's sample count: a float mean is exact
+                dtype = torch.get_default_dtype() if torch.get_default_dtype() == torch.float64 else torch.float32
+                return self._reduce(tensor.to(dtype), group, reduce_op)
+        return self._reduce(tensor, group, reduce_op)
+
+    def _check_step_collective(self, what: str) -> None:
+        module = self.lightning_module
+        trainer = _compat.attached_trainer(module)
+        if self._exact_eval is not None and trainer is not None:
+            self._exact_eval.check_step_collective(what, _compat.current_hook_name(module), evaluation_limit(trainer))
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        self._check_step_collective("all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def _reduce(self, tensor: Any, group: Any | None, reduce_op: Any) -> Any:
         # One guarded check for Lightning's barrier + all_reduce pair (self.log(sync_dist=True)).
         if self._guard is None or not isinstance(tensor, Tensor):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
@@ -192,6 +221,11 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        trainer = _compat.attached_trainer(self.lightning_module)
+        if self._exact_eval is not None and trainer is not None and self.world_size > 1 and (
+                trainer.sanity_checking or trainer.validating or trainer.testing or trainer.predicting):
+            dataloader = exact_eval_dataloader(dataloader, self.global_rank, self.world_size,
+                                               predicting=trainer.predicting, monitor=self._exact_eval)
         if self._lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
             dataloader.worker_init_fn = WorkerSeeder(self._lineage.root, self.global_rank)  # type: ignore[attr-defined]
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -222,7 +256,8 @@ class SyncDDPStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None) -> None:
         # Called on every rank by trainer.save_checkpoint; the RNG states come from every rank.
         if self._lineage is not None:
-            state = self._lineage.checkpoint_state(self._resume.loader_payload(checkpoint))
+            state = self._lineage.checkpoint_state(self._resume.loader_payload(checkpoint),
+                                                   checkpoint.get("global_step"))
             if state is not None:
                 checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -254,7 +289,9 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
+        # Every rank raises UnevenEvaluationError at the same point: the group is healthy, tear down cleanly
+        # (a peer that skipped the barrier could re-join the next run's rendezvous on the old store).
+        self._failed = not isinstance(exception, UnevenEvaluationError)
         lost = lost_peer_message(exception, self._peers, self.global_rank)
         if lost:  # gloo only names an address: say which rank(s) that is
             log.error("lightning_sync: %s", lost)

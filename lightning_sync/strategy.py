@@ -25,7 +25,8 @@ from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.checkpoint_io import AtomicCheckpointIO
 from lightning_sync.collectives import validate_seed
 from lightning_sync.errors import UnevenEvaluationError
-from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
+from lightning_sync.guard.core import CollectiveGuard
+from lightning_sync.guard.nccl import configure_nccl_flight_recorder
 from lightning_sync.sampling import ExactEvaluation, evaluation_limit, exact_eval_dataloader, is_integer_mean
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
 from lightning_sync.resume import ResumeHooks, init_process_group_after_restart, make_resumable
@@ -47,8 +48,9 @@ class SyncDDPStrategy(DDPStrategy):
         guard: check every collective across ranks before it runs, and the classic DDP mistakes
             (see ``docs/guard.md``). ``False`` turns it off; a :class:`~lightning_sync.CollectiveGuard`
             sets its options.
-        guard_timeout: seconds a rank waits for the others to reach the same collective before
-            raising ``CollectiveMismatchError`` (default 120; overrides the guard object's value).
+        guard_timeout: seconds without progress (a rank missing from a collective, a frozen rank)
+            before the guard raises (default 120; sets the guard object's ``timeout``, not a
+            ``hang_timeout`` set on it).
         uneven_batches: what to do when ranks have different numbers of training batches (a rank
             with more would hang in DDP's all-reduce): ``"error"`` raises at epoch start;
             ``"stop_together"`` ends every rank's epoch when the shortest rank runs out.
@@ -61,9 +63,11 @@ class SyncDDPStrategy(DDPStrategy):
             there. ``None`` (default): only ``ckpt_path``. See ``docs/resume.md``.
 
     After set-up, ``trainer.strategy.seed`` is the root seed, identical on every rank. Samplers use
-    it (disjoint, complete shards), model initialisation runs under it (identical replicas), then
-    every rank's RNGs switch to their own derived stream (dropout and augmentation differ across
-    ranks and workers). Per-rank RNG states are saved in checkpoints and restored on resume.
+    it (disjoint, complete shards), layers built in ``setup``/``configure_model`` are initialised under
+    it (identical on every rank from the start; a model built before ``fit`` becomes identical when
+    DDP's wrap broadcasts rank 0's weights), then every rank's RNGs switch to their own derived
+    stream (dropout and augmentation differ across ranks and workers). Per-rank RNG states are
+    saved in checkpoints and restored on resume.
     """
 
     strategy_name = "ddp_sync"
@@ -82,7 +86,8 @@ class SyncDDPStrategy(DDPStrategy):
         self._guard: CollectiveGuard | None = (
             guard if isinstance(guard, CollectiveGuard) else CollectiveGuard() if guard else None)
         if self._guard is not None and guard_timeout is not None:
-            self._guard.timeout = self._guard.hang_timeout = CollectiveGuard(timeout=guard_timeout).timeout
+            # hang_timeout follows timeout unless the user set it on their own guard
+            self._guard.timeout = CollectiveGuard(timeout=guard_timeout).timeout
         self.uneven_batches = uneven_batches
         self.exact_eval = bool(exact_eval)
         self._exact_eval = ExactEvaluation() if exact_eval else None
@@ -118,8 +123,9 @@ class SyncDDPStrategy(DDPStrategy):
                                          self.root_device if self.root_device.type != "cpu" else None)
         super().setup_distributed()
         self._peers = gather_peers()  # host and address per rank: names a lost peer (on_exception)
-        if self._guard is not None:
-            self._guard.install(context=lambda: _compat.current_hook_name(self.lightning_module))
+        if self._guard is not None and not self._guard.install_if_real(
+                context=lambda: _compat.current_hook_name(self.lightning_module)):
+            self._guard = None
         self._failed = False
         self._lineage = SeedLineage.agree(self._seed_arg)
         rank_zero_info(self._lineage.describe())

@@ -23,7 +23,7 @@ from lightning_sync import collectives
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, ddp_ignored_names
 from lightning_sync.errors import ParameterDivergenceError, RankMismatchError, format_ranks
-from lightning_sync.guard import parameter_checksums
+from lightning_sync.guard.checksums import parameter_checksums
 
 __all__ = ["GuardChecks", "ParameterConsistencyCheck", "check_replicas", "warn_if_initial_parameters_differ"]
 
@@ -112,7 +112,7 @@ def warn_if_initial_parameters_differ(module: torch.nn.Module, ddp_kwargs: Mappi
     All ranks must call it (one small gather). DDP's wrap broadcasts rank 0's parameters and buffers,
     so a model built in ``__init__`` before the process group exists, with a different seed per rank,
     still starts equal everywhere: no warning. What the wrap leaves alone keeps its per-rank values:
-    parameters and buffers in DDP's ignore list (``_compat.torch_api.DDP_IGNORE_ATTR``), buffers when DDP runs with
+    parameters and buffers DDP is told to ignore (``DDP_IGNORE_ATTR``), buffers when DDP runs with
     ``broadcast_buffers=False``, everything with ``init_sync=False`` or without a DDP wrap
     (``wrapped=False``). Only those are compared, and the warning names each one that differs.
 

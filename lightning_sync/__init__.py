@@ -19,8 +19,9 @@ from lightning_sync.errors import (
     LightningSyncError,
     ParameterDivergenceError,
     RankMismatchError,
+    UnevenEvaluationError,
 )
-from lightning_sync.guard import CollectiveGuard
+from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.seeding import SeedLineage, derive_seed
 from lightning_sync.strategy import SyncDDPStrategy, register as _register
 
@@ -41,6 +42,7 @@ __all__ = [
     "SyncBatchNorm",
     "SyncBatchNormConversion",
     "SyncDDPStrategy",
+    "UnevenEvaluationError",
     "ValidationGather",
     "collectives",
     "convert_sync_batchnorm",

@@ -12,6 +12,7 @@ import signal
 import threading
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
@@ -23,7 +24,10 @@ from lightning_sync._compat.lightning_api import PathLike, StrategyRegistryType
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.checkpoint_io import AtomicCheckpointIO
 from lightning_sync.collectives import validate_seed
-from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
+from lightning_sync.errors import UnevenEvaluationError
+from lightning_sync.guard.core import CollectiveGuard
+from lightning_sync.guard.nccl import configure_nccl_flight_recorder
+from lightning_sync.sampling import ExactEvaluation, evaluation_limit, exact_eval_dataloader, is_integer_mean
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
 from lightning_sync.resume import ResumeHooks, init_process_group_after_restart, make_resumable
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
@@ -44,25 +48,33 @@ class SyncDDPStrategy(DDPStrategy):
         guard: check every collective across ranks before it runs, and the classic DDP mistakes
             (see ``docs/guard.md``). ``False`` turns it off; a :class:`~lightning_sync.CollectiveGuard`
             sets its options.
-        guard_timeout: seconds a rank waits for the others to reach the same collective before
-            raising ``CollectiveMismatchError`` (default 120; overrides the guard object's value).
+        guard_timeout: seconds without progress (a rank missing from a collective, a frozen rank)
+            before the guard raises (default 120; sets the guard object's ``timeout``, not a
+            ``hang_timeout`` set on it).
         uneven_batches: what to do when ranks have different numbers of training batches (a rank
             with more would hang in DDP's all-reduce): ``"error"`` raises at epoch start;
             ``"stop_together"`` ends every rank's epoch when the shortest rank runs out.
+        exact_eval: evaluate every sample of validate, test, fit's validation and predict on exactly
+            one rank, once (no padding), in equal step counts wherever possible, and reduce
+            ``self.log(..., sync_dist=True)`` epoch means exactly (see ``lightning_sync.sampling``).
+            ``False``: Lightning's padded ``DistributedSampler``.
         resume: ``"auto"``: when ``fit`` gets no ``ckpt_path``, resume from the newest checkpoint of
             the run that loads completely (after an elastic restart or a requeue); a directory: search
             there. ``None`` (default): only ``ckpt_path``. See ``docs/resume.md``.
 
     After set-up, ``trainer.strategy.seed`` is the root seed, identical on every rank. Samplers use
-    it (disjoint, complete shards), model initialisation runs under it (identical replicas), then
-    every rank's RNGs switch to their own derived stream (dropout and augmentation differ across
-    ranks and workers). Per-rank RNG states are saved in checkpoints and restored on resume.
+    it (disjoint, complete shards), layers built in ``setup``/``configure_model`` are initialised under
+    it (identical on every rank from the start; a model built before ``fit`` becomes identical when
+    DDP's wrap broadcasts rank 0's weights), then every rank's RNGs switch to their own derived
+    stream (dropout and augmentation differ across ranks and workers). Per-rank RNG states are
+    saved in checkpoints and restored on resume.
     """
 
     strategy_name = "ddp_sync"
 
     def __init__(self, *args: Any, seed: int | None = None, guard: bool | CollectiveGuard = True,
                  guard_timeout: float | None = None, uneven_batches: str = "error", resume: str | None = None,
+                 exact_eval: bool = True,
                  **kwargs: Any) -> None:
         validate_seed(seed, "SyncDDPStrategy(seed=...)")
         if resume is not None and not isinstance(resume, str):
@@ -74,8 +86,11 @@ class SyncDDPStrategy(DDPStrategy):
         self._guard: CollectiveGuard | None = (
             guard if isinstance(guard, CollectiveGuard) else CollectiveGuard() if guard else None)
         if self._guard is not None and guard_timeout is not None:
-            self._guard.timeout = self._guard.hang_timeout = CollectiveGuard(timeout=guard_timeout).timeout
+            # hang_timeout follows timeout unless the user set it on their own guard
+            self._guard.timeout = CollectiveGuard(timeout=guard_timeout).timeout
         self.uneven_batches = uneven_batches
+        self.exact_eval = bool(exact_eval)
+        self._exact_eval = ExactEvaluation() if exact_eval else None
         self._lineage: SeedLineage | None = None
         self._pending_checkpoint_state: dict[str, Any] | None = None
         self._failed = False
@@ -108,8 +123,9 @@ class SyncDDPStrategy(DDPStrategy):
                                          self.root_device if self.root_device.type != "cpu" else None)
         super().setup_distributed()
         self._peers = gather_peers()  # host and address per rank: names a lost peer (on_exception)
-        if self._guard is not None:
-            self._guard.install(context=lambda: _compat.current_hook_name(self.lightning_module))
+        if self._guard is not None and not self._guard.install_if_real(
+                context=lambda: _compat.current_hook_name(self.lightning_module)):
+            self._guard = None
         self._failed = False
         self._lineage = SeedLineage.agree(self._seed_arg)
         rank_zero_info(self._lineage.describe())
@@ -148,6 +164,25 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if self._exact_eval is not None and isinstance(tensor, Tensor):
+            self._check_step_collective("self.log(..., sync_dist=True)")
+            if is_integer_mean(tensor, reduce_op):  # self.log's sample count: a float mean is exact
+                dtype = torch.get_default_dtype() if torch.get_default_dtype() == torch.float64 else torch.float32
+                return self._reduce(tensor.to(dtype), group, reduce_op)
+        return self._reduce(tensor, group, reduce_op)
+
+    def _check_step_collective(self, what: str) -> None:
+        module = self.lightning_module
+        trainer = _compat.attached_trainer(module)
+        if self._exact_eval is not None and trainer is not None:
+            self._exact_eval.check_step_collective(what, _compat.current_hook_name(module), evaluation_limit(trainer))
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        self._check_step_collective("all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def _reduce(self, tensor: Any, group: Any | None, reduce_op: Any) -> Any:
         # One guarded check for Lightning's barrier + all_reduce pair (self.log(sync_dist=True)).
         if self._guard is None or not isinstance(tensor, Tensor):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
@@ -192,6 +227,11 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        trainer = _compat.attached_trainer(self.lightning_module)
+        if self._exact_eval is not None and trainer is not None and self.world_size > 1 and (
+                trainer.sanity_checking or trainer.validating or trainer.testing or trainer.predicting):
+            dataloader = exact_eval_dataloader(dataloader, self.global_rank, self.world_size,
+                                               predicting=trainer.predicting, monitor=self._exact_eval)
         if self._lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
             dataloader.worker_init_fn = WorkerSeeder(self._lineage.root, self.global_rank)  # type: ignore[attr-defined]
         trainer = self._attached_trainer()
@@ -263,7 +303,9 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
+        # Every rank raises UnevenEvaluationError at the same point: the group is healthy, tear down cleanly
+        # (a peer that skipped the barrier could re-join the next run's rendezvous on the old store).
+        self._failed = not isinstance(exception, UnevenEvaluationError)
         lost = lost_peer_message(exception, self._peers, self.global_rank)
         if lost:  # gloo only names an address: say which rank(s) that is
             log.error("lightning_sync: %s", lost)

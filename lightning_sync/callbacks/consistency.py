@@ -23,7 +23,7 @@ from lightning_sync import collectives
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, ddp_ignored_names
 from lightning_sync.errors import ParameterDivergenceError, RankMismatchError, format_ranks
-from lightning_sync.guard import parameter_checksums
+from lightning_sync.guard.checksums import parameter_checksums
 
 __all__ = ["GuardChecks", "ParameterConsistencyCheck", "check_replicas", "warn_if_initial_parameters_differ"]
 
@@ -92,12 +92,12 @@ def check_replicas(module: torch.nn.Module, buffers: bool = True, optimizer: tor
 def _kept_at_wrap(module: torch.nn.Module, ddp_kwargs: Mapping[str, Any] | None) -> dict[str, str]:
     """Tensors the DDP wrap will NOT overwrite with rank 0's values -> why (torch's init sync rules)."""
     kwargs = {} if ddp_kwargs is None else dict(ddp_kwargs)
-    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    ignored = ddp_ignored_names(module)
     if not kwargs.get("init_sync", True):
         why = "DDP(init_sync=False) broadcasts nothing at wrap time"
         return {n: why for n, _ in [*module.named_parameters(), *module.named_buffers()]}
     buffers_synced = kwargs.get("forward_sync_buffers") is not None or kwargs.get("broadcast_buffers") is not False
-    kept = {n: "listed in _ddp_params_and_buffers_to_ignore" for n, _ in
+    kept = {n: f"listed in {DDP_IGNORE_ATTR}" for n, _ in
             [*module.named_parameters(), *module.named_buffers()] if n in ignored}
     if not buffers_synced:
         kept |= {n: "a buffer, and DDP runs with broadcast_buffers=False" for n, _ in module.named_buffers()
@@ -112,7 +112,7 @@ def warn_if_initial_parameters_differ(module: torch.nn.Module, ddp_kwargs: Mappi
     All ranks must call it (one small gather). DDP's wrap broadcasts rank 0's parameters and buffers,
     so a model built in ``__init__`` before the process group exists, with a different seed per rank,
     still starts equal everywhere: no warning. What the wrap leaves alone keeps its per-rank values:
-    parameters and buffers in ``_ddp_params_and_buffers_to_ignore``, buffers when DDP runs with
+    parameters and buffers DDP is told to ignore (``DDP_IGNORE_ATTR``), buffers when DDP runs with
     ``broadcast_buffers=False``, everything with ``init_sync=False`` or without a DDP wrap
     (``wrapped=False``). Only those are compared, and the warning names each one that differs.
 

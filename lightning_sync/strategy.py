@@ -234,13 +234,19 @@ class SyncDDPStrategy(DDPStrategy):
                                                predicting=trainer.predicting, monitor=self._exact_eval)
         if self._lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
             dataloader.worker_init_fn = WorkerSeeder(self._lineage.root, self.global_rank)  # type: ignore[attr-defined]
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = self._attached_trainer()
         if trainer is not None and trainer.training:  # the training loader resumes mid-epoch (resume.py)
             dataloader = make_resumable(dataloader)
             self._resume.check_training_loader(dataloader)
         return dataloader
 
     # ------------------------------------------------------------------ checkpoints
+
+    def _attached_trainer(self) -> Any:
+        try:
+            return self.lightning_module.trainer if self.lightning_module is not None else None
+        except RuntimeError:  # a LightningModule not attached to a Trainer
+            return None
 
     @property
     def checkpoint_io(self) -> Any:
@@ -272,7 +278,9 @@ class SyncDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning passes weights_only from 2.6.0 on; older ones have no such parameter.
         checkpoint = super().load_checkpoint(checkpoint_path, **_compat.load_checkpoint_kwargs(weights_only))
-        self._resume.on_load(checkpoint, self.world_size, self.global_rank)  # each rank's loader state
+        trainer = self._attached_trainer()
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        self._resume.on_load(checkpoint, self.world_size, self.global_rank, fitting)  # each rank's loader state
         self._pending_checkpoint_state = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 

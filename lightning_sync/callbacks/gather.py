@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_sync import collectives
 from lightning_sync.gathering import INDEX_KEY, RowCollector
 
-__all__ = ["MetricFn", "Stage", "ValidationGather"]
+__all__ = ["MetricFn", "Stage", "ValidationGather", "attach_recorder", "detach_recorder"]
 
 Stage = Literal["validate", "test", "predict"]
 #: A metric computed on the gathered outputs: ``fn(outputs) -> scalar`` (or any value, kept unlogged).
@@ -47,7 +47,7 @@ _RUNNING: dict[RunningStage, Stage] = {
 }
 _HOOK = {"validate": "on_validation_gathered", "test": "on_test_gathered", "predict": "on_predict_gathered"}
 _PREFIX = {"validate": "val", "test": "test", "predict": "predict"}
-_ACTIVE = "_lightning_sync_gathers"  # strategy attributes while a ValidationGather is attached
+_ACTIVE = "_lightning_sync_gathers"  # strategy attributes while an index-recording callback is attached
 _PREVIOUS = "_lightning_sync_process_dataloader"
 #: Key for a ``*_step`` that returns a single tensor instead of a dict.
 OUTPUT_KEY = "output"
@@ -71,6 +71,13 @@ class _BatchLog:
 
     def pop(self) -> list[Any] | None:
         return self.pending.popleft() if self.pending else None
+
+    def accept(self, batch: Any) -> bool:
+        """Called for every batch the sampler yields, before it is loaded; ``False`` drops the batch.
+
+        Subclasses use it to skip batches (``PredictionWriter(resume=True)`` skips finished ones).
+        """
+        return True
 
 
 # id(sampler) -> the logs of every ValidationGather recording it (ids stay valid: the installers
@@ -98,6 +105,8 @@ def _recording_class(cls: type) -> type:
                     batch = next(inner)
                 except StopIteration:
                     return
+                if not all([log.accept(batch) for log in logs]):  # a list: every log sees every batch
+                    continue
                 for log in logs:
                     log.push(batch)
                 yield batch
@@ -111,7 +120,8 @@ def _recording_class(cls: type) -> type:
 class _Recorder:
     """Installs index recording on evaluation dataloaders and undoes it."""
 
-    def __init__(self) -> None:
+    def __init__(self, new_log: Callable[[], _BatchLog] = _BatchLog) -> None:
+        self.new_log = new_log
         self.logs: dict[int, tuple[object, _BatchLog | str]] = {}  # id(loader) -> its log, or why it has none
         self._patched: list[tuple[Any, type, _BatchLog]] = []  # (sampler, its class before, our log)
 
@@ -131,7 +141,7 @@ class _Recorder:
         except TypeError as err:
             self.logs[id(loader)] = (loader, f"its sampler {before.__name__} cannot be instrumented ({err})")
             return
-        log = _BatchLog()
+        log = self.new_log()
         _LOGS.setdefault(id(target), []).append(log)
         self._patched.append((target, before, log))
         self.logs[id(loader)] = (loader, log)
@@ -152,6 +162,57 @@ class _Recorder:
                 target.__class__ = before if before not in _RECORDING.values() else before.__mro__[1]
         self._patched.clear()
         self.logs.clear()
+
+
+
+class _Recording(Protocol):
+    """A callback that records dataset indices: the stages it records and its recorder."""
+
+    stages: tuple[Stage, ...]
+    _recorder: _Recorder
+
+
+def attach_recorder(trainer: pl.Trainer, client: _Recording) -> None:
+    """Install ``client._recorder`` on every dataloader the trainer prepares in ``client.stages``.
+
+    Lightning calls ``strategy.process_dataloader`` on every dataloader right after injecting its
+    ``DistributedSampler`` and before the first ``iter()``: the one point where the final batch
+    sampler exists and has not yielded anything yet. One instance attribute per strategy, shared by
+    every recording callback, removed when the last one detaches (:func:`detach_recorder`).
+    """
+    strategy = trainer.strategy
+    clients: list[_Recording] | None = strategy.__dict__.get(_ACTIVE)
+    if clients is None:
+        clients = []
+        original = strategy.process_dataloader
+        active = clients
+
+        def process_dataloader(dataloader: object) -> object:
+            dataloader = original(dataloader)
+            running = _RUNNING.get(trainer.state.stage) if trainer.state.stage is not None else None
+            for client in active:
+                if running in client.stages:
+                    client._recorder.install(dataloader)
+            return dataloader
+
+        strategy.__dict__[_ACTIVE] = clients
+        strategy.__dict__[_PREVIOUS] = strategy.__dict__.get("process_dataloader")
+        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+    clients.append(client)
+
+
+def detach_recorder(strategy: Any, client: _Recording) -> None:
+    """Undo :func:`attach_recorder` for ``client``; give every sampler its class back."""
+    clients = strategy.__dict__.get(_ACTIVE, [])
+    clients[:] = [c for c in clients if c is not client]
+    if not clients:
+        strategy.__dict__.pop(_ACTIVE, None)
+        previous = strategy.__dict__.pop(_PREVIOUS, None)
+        if previous is None:
+            strategy.__dict__.pop("process_dataloader", None)
+        else:
+            strategy.__dict__["process_dataloader"] = previous
+    client._recorder.uninstall()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -254,44 +315,14 @@ class ValidationGather(pl.Callback):
     # ---------------------------------------------------------------- install / uninstall
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._strategy is not None:
-            return
-        strategy = trainer.strategy
-        gathers: list[ValidationGather] | None = strategy.__dict__.get(_ACTIVE)
-        if gathers is None:
-            gathers = []
-            original = strategy.process_dataloader
-
-            def process_dataloader(dataloader: object) -> object:
-                dataloader = original(dataloader)
-                running = _RUNNING.get(trainer.state.stage) if trainer.state.stage is not None else None
-                for gather in gathers:
-                    if running in gather.stages:
-                        gather._recorder.install(dataloader)
-                return dataloader
-
-            # Lightning calls strategy.process_dataloader on every dataloader right after injecting
-            # its DistributedSampler and before the first iter(): the one point where the final
-            # batch sampler exists and has not yielded anything yet. One instance attribute per
-            # strategy, shared by every ValidationGather, removed when the last one tears down.
-            strategy.__dict__[_ACTIVE] = gathers
-            strategy.__dict__[_PREVIOUS] = strategy.__dict__.get("process_dataloader")
-            strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
-        gathers.append(self)
-        self._strategy = strategy
+        if self._strategy is None:
+            attach_recorder(trainer, self)
+            self._strategy = trainer.strategy
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy, self._strategy = self._strategy, None
         if strategy is not None:
-            gathers = strategy.__dict__.get(_ACTIVE, [])
-            gathers[:] = [g for g in gathers if g is not self]
-            if not gathers:
-                strategy.__dict__.pop(_ACTIVE, None)
-                previous = strategy.__dict__.pop(_PREVIOUS, None)
-                if previous is None:
-                    strategy.__dict__.pop("process_dataloader", None)
-                else:
-                    strategy.__dict__["process_dataloader"] = previous
+            detach_recorder(strategy, self)
         self._recorder.uninstall()
         self._collectors.clear()
 

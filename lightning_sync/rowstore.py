@@ -44,7 +44,7 @@ __all__ = [
 INDEX = "index"
 SOURCE = "__source_rank"  # intermediate merge files only: which rank each row came from
 _PART = re.compile(r"part-(\d{12})-([0-9a-f]+)\.parquet")
-_PART_GROUP_BYTES = 2 << 20  # row groups of part files: what the merge holds per open part
+_PART_GROUP_BYTES = 1 << 20  # row groups of part files: what the merge holds per open part
 _FLUSH_BYTES = 64 << 20  # a part is written at row_group_size rows or this many bytes, whichever first
 
 
@@ -231,13 +231,25 @@ class PartWriter:
         final = self.directory / part_name(self._first_position, self.attempt)
         tmp = self.directory / f".tmp-{uuid.uuid4().hex}.parquet"
         row_bytes = max(1, self._bytes // max(1, self._rows))
-        pq.write_table(table, tmp, row_group_size=max(16, min(8192, _PART_GROUP_BYTES // row_bytes)),
+        pq.write_table(table, tmp, row_group_size=max(16, min(4096, _PART_GROUP_BYTES // row_bytes)),
                        compression="none", use_dictionary=False, write_statistics=[INDEX])
         os.replace(tmp, final)  # atomic: a part is complete under its final name or absent
+        del table
+        _release(pa)
         self.rows_written += self._rows
         self.parts_written += 1
         self._index, self._columns, self._first_position, self._rows, self._bytes = [], [], None, 0, 0
         return final
+
+
+def _release(pa: Any) -> None:
+    """Hand the memory Arrow's pool holds on to back to the OS.
+
+    Its allocators (mimalloc by default) keep freed pages for reuse; with one row group
+    allocated and freed after another, that kept the merge's resident memory at about 3x what
+    it had allocated at most (measured: 71 MiB vs 24 MiB for 1e6 rows).
+    """
+    pa.default_memory_pool().release_unused()
 
 
 def _schema_change(before: Any, now: Any) -> str:
@@ -421,7 +433,7 @@ def _merge(cursors: Sequence[_Cursor], emit: Callable[[Any, np.ndarray], None]) 
 
 
 def merge_parts(root: Path, out: Path, *, row_group_size: int, compression: str | None, fan_in: int = 64,
-                chunk_rows: int = 8192, metadata: Mapping[str, str] | None = None) -> MergeResult:
+                chunk_rows: int = 4096, metadata: Mapping[str, str] | None = None) -> MergeResult:
     """Merge every part under ``root`` into one Parquet file at ``out`` (written atomically).
 
     Raises:
@@ -499,14 +511,14 @@ def merge_parts(root: Path, out: Path, *, row_group_size: int, compression: str 
                     writer.write_table(full.slice(0, cut), row_group_size=row_group_size)
                     pending[:] = [full.slice(cut)] if cut < pending_rows else []
                     pending_rows -= cut
+                    _release(pa)
 
             _merge(cursors, emit)
             if pending_rows:
                 writer.write_table(pa.concat_tables(pending), row_group_size=row_group_size)
             elif rows == 0:
                 writer.write_table(final_schema.empty_table())
-        with open(tmp, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        digest = _sha256(tmp)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
@@ -520,6 +532,14 @@ def merge_parts(root: Path, out: Path, *, row_group_size: int, compression: str 
         per_rank_parts[p.rank] = per_rank_parts.get(p.rank, 0) + 1
     return MergeResult(rows, sum(p.rows for p in parts), kept, per_rank_rows, per_rank_parts, passes, schema, first,
                        last, digest)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:

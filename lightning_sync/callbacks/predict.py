@@ -26,8 +26,10 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.utils.data import IterableDataset
 
 from lightning_sync import collectives, rowstore
 from lightning_sync.callbacks.gather import (
@@ -179,6 +181,7 @@ class PredictionWriter(pl.Callback):
         self._rank = 0
         self._skipped = 0
         self._batches = 0
+        self._trim_lightning_indices = False
         self._warned: set[str] = set()
 
     # ---------------------------------------------------------------- set-up: target checks, resume state
@@ -244,9 +247,12 @@ class PredictionWriter(pl.Callback):
         return {"error": None, "attempt": attempt}
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if getattr(trainer.predict_loop, "return_predictions", False):
+        keeping = bool(getattr(trainer.predict_loop, "return_predictions", False))
+        if keeping:
             rank_zero_warn("PredictionWriter: trainer.predict keeps every output in memory as well; pass "
                            "return_predictions=False to keep memory bounded.")
+        self._trim_lightning_indices = not keeping and not any(
+            isinstance(cb, BasePredictionWriter) for cb in getattr(trainer, "callbacks", []))
 
     # ---------------------------------------------------------------- per batch
 
@@ -269,6 +275,12 @@ class PredictionWriter(pl.Callback):
         recorded = log.pop() if isinstance(log, _BatchLog) else None
         position = log.position if isinstance(log, _PositionLog) and recorded is not None else self._batches
         self._batches += 1
+        if self._trim_lightning_indices and dataloader_idx < len(loaders):
+            # Lightning's index wrapper keeps every batch's indices (Python ints, ~36 bytes a row) for
+            # BasePredictionWriter / return_predictions; with neither, nothing reads them: drop them
+            seen = getattr(getattr(loaders[dataloader_idx], "batch_sampler", None), "seen_batch_indices", None)
+            if isinstance(seen, list):
+                seen.clear()
         if self._error is not None:
             return
         assert self._parts is not None
@@ -355,7 +367,7 @@ class PredictionWriter(pl.Callback):
         verdict: dict[str, Any] | None = None
         if self._rank == 0:
             try:
-                verdict = {"manifest": self._merge(trainer, summaries)}
+                verdict = {"manifest": self._merge(trainer, summaries, _dataset_length(trainer))}
             except Exception as err:  # noqa: BLE001 - raised on every rank below
                 verdict = {"error": f"{type(err).__name__}: {err}", "kind": type(err).__name__}
         verdict = _from_rank0(verdict, f"lightning_sync/predict/{self._attempt}", len(summaries))
@@ -365,7 +377,7 @@ class PredictionWriter(pl.Callback):
                        f"files are kept in {self.parts_dir}: fix the cause and rerun with resume=True.")
         self.manifest = verdict["manifest"]
 
-    def _merge(self, trainer: pl.Trainer, summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    def _merge(self, trainer: pl.Trainer, summaries: list[dict[str, Any]], length: int | None) -> dict[str, Any]:
         from lightning_sync import __version__
 
         start = time.monotonic()
@@ -388,6 +400,7 @@ class PredictionWriter(pl.Callback):
                        "parts": result.parts_per_rank.get(r, 0),
                        "rows_kept": result.kept_per_rank.get(r, 0)} for r in ranks],
             "duplicates_dropped": result.rows_in - result.rows,
+            "dataset_length": length,
             "resumed": self.resume,
             "columns": rowstore.describe_schema(result.schema),
             "row_group_size": self.row_group_size,
@@ -398,6 +411,15 @@ class PredictionWriter(pl.Callback):
             "lightning_sync": __version__,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
+        if length is not None and result.rows_in >= length > result.rows:
+            # more rows than samples, yet samples missing: the ranks' samplers overlapped
+            rank_zero_warn(
+                f"PredictionWriter: {result.rows_in} rows were predicted for a data set of {length} samples, but "
+                f"only {result.rows} distinct indices: {length - result.rows} samples were never predicted while "
+                "others were predicted on several ranks. The ranks' samplers disagree: a shuffled sampler drawing "
+                "its order from each rank's own random state (e.g. a RandomSampler, which Lightning wraps for "
+                "predict). Give it a generator seeded alike on every rank, or use a DistributedSampler(shuffle=True,"
+                " seed=...).")
         rowstore.write_json_atomic(self.manifest_path, manifest)
         if not self.keep_parts:
             shutil.rmtree(self.parts_dir, ignore_errors=True)
@@ -412,6 +434,16 @@ class PredictionWriter(pl.Callback):
             detach_recorder(strategy, self)
         self._parts = None
         self._done = None
+
+
+def _dataset_length(trainer: pl.Trainer) -> int | None:
+    """``len(dataset)`` of the predict dataloader when it has one (map-style), else None."""
+    loaders = _active_loaders(trainer, "predict")
+    dataset = getattr(loaders[0], "dataset", None) if loaders else None
+    try:
+        return len(dataset) if dataset is not None and not isinstance(dataset, IterableDataset) else None
+    except TypeError:
+        return None
 
 
 def _from_rank0(value: Any, key: str, world_size: int) -> Any:

@@ -3,7 +3,7 @@
 ``import lightning_sync`` registers the strategy names ``"ddp_sync"`` and ``"ddp_sync_spawn"``.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry as _strategy_registry
 
 from lightning_sync import collectives
 from lightning_sync.batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
@@ -25,7 +25,7 @@ from lightning_sync.guard import CollectiveGuard
 from lightning_sync.seeding import SeedLineage, derive_seed
 from lightning_sync.strategy import SyncDDPStrategy, register as _register
 
-_register(_StrategyRegistry)
+_register(_strategy_registry)
 
 __version__ = "0.1.0"
 

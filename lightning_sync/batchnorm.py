@@ -18,7 +18,7 @@ same semantics on any device:
   behave exactly like ``torch.nn.BatchNorm*d``;
 * CUDA tensors on a non-gloo group (NCCL) go through torch's own SyncBatchNorm kernels.
 
-The module subclasses ``_BatchNorm`` (not ``nn.SyncBatchNorm``), so DDP's "SyncBatchNorm layers only
+The module subclasses torch's BatchNorm base class (not ``nn.SyncBatchNorm``), so DDP's "SyncBatchNorm layers only
 work with GPU modules" check does not apply to it.
 
 :func:`convert_sync_batchnorm` / :func:`revert_sync_batchnorm` swap layers in a model and back,
@@ -38,9 +38,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
-from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_sync.errors import format_ranks
+from lightning_sync import collectives
+from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, BatchNormBase, TorchSyncBatchNormFunction, all_gather_single
+from lightning_sync.errors import RankMismatchError, format_ranks
 
 __all__ = [
     "SyncBatchNorm",
@@ -54,13 +55,12 @@ __all__ = [
 #: Attribute users can set on a BatchNorm layer to keep it out of :func:`convert_sync_batchnorm`.
 EXCLUDE_ATTR = "sync_batchnorm"
 
-# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); same semantics.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # Attributes this module adds to a converted layer; revert removes them again.
 _ORIGINAL_CLASS = "_lsync_original_class"
 _ORIGINAL_GROUP = "_lsync_original_process_group"
 _SEEN_NDIM = "_lsync_seen_ndim"
+_CHECKED_GROUP = "_lsync_checked_group"  # the group this layer's metadata was last compared over
 _MISSING = object()
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -115,10 +115,12 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         else:
             record = torch.zeros(2 * channels + 1, dtype=torch.float64, device=input.device)
         gathered = torch.empty(world_size * record.numel(), dtype=torch.float64, device=input.device)
-        _all_gather_single(gathered, record, group=group)
+        all_gather_single(gathered, record, group=group)
         gathered = gathered.view(world_size, -1)
 
         counts = gathered[:, 0]
+        if bool((counts < 0).any()):  # a rank's input was refused (see SyncBatchNorm.forward): raise it here too
+            _raise_input_problems(None, group)
         total = int(counts.sum().item())
         if total == 1:
             per_rank = [int(c) for c in counts.tolist()]
@@ -206,11 +208,25 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
+def _raise_problem_text(problems: dict[int, str], world: int) -> None:
+    listed = "; ".join(f"rank {r}: {p}" for r, p in problems.items())
+    where = "rank" if len(problems) == 1 else "ranks"
+    raise ValueError(f"SyncBatchNorm: bad input on {where} {', '.join(map(str, problems))} of {world} (every rank "
+                     f"raises this error): {listed}")
+
+
+def _raise_input_problems(problem: str | None, group: dist.ProcessGroup) -> None:
+    """Error path of a later step: every rank learns every rank's refused input, then raises it."""
+    every: list[Any] = collectives.gather_objects(problem, group=group, safe=True) or []
+    ranks = collectives._global_ranks(group)
+    _raise_problem_text({r: p for r, p in zip(ranks, every) if p is not None}, len(ranks))
+
+
 # --------------------------------------------------------------------------------------------------
 # the module
 
 
-class SyncBatchNorm(_BatchNorm):
+class SyncBatchNorm(BatchNormBase):
     """Batch normalisation over the union of every rank's batch, on any backend.
 
     A drop-in replacement for ``torch.nn.SyncBatchNorm`` (same arguments, same results) that also
@@ -235,9 +251,17 @@ class SyncBatchNorm(_BatchNorm):
         dtype: their dtype.
         bias: learn a bias (only with ``affine=True``).
 
+    The first distributed training forward of each layer also compares, across the ranks of its
+    group, whether each rank's input is acceptable, ``num_features``, the input dtype and the input
+    rank (one small exchange per layer, not per step); later, a refused input on one rank is flagged
+    inside the statistics exchange itself. Either way every rank raises the same error instead of
+    gloo aborting one process on mismatched sizes and another carrying on with garbage statistics.
+
     Raises:
-        ValueError: the input has fewer than 2 dimensions or no channels; in training mode, the
-            batch over all ranks holds a single value per channel (raised on every rank).
+        ValueError: the input is one torch's layer refuses (a converted ``BatchNorm2d`` takes 4-D
+            input only), or its channel count is not ``num_features``; in training mode, the batch
+            over all ranks holds a single value per channel. Raised on every rank when distributed.
+        RankMismatchError: ``num_features``, input dtype or input rank differ across ranks.
     """
 
     def __init__(
@@ -257,18 +281,94 @@ class SyncBatchNorm(_BatchNorm):
         self.process_group = process_group
 
     def _check_input_dim(self, input: Tensor) -> None:
+        problem = self._input_problem(input)
+        if problem is not None:
+            raise ValueError(problem)
+
+    def _input_problem(self, input: Any) -> str | None:
+        """Why torch's layer would refuse ``input`` (this layer's original class decides), or None."""
+        if not isinstance(input, Tensor):
+            return f"expected a tensor input, got {type(input).__name__}"
+        original = self.__dict__.get(_ORIGINAL_CLASS)
+        check = getattr(original, "_check_input_dim", None) if original is not None else None
+        try:
+            if check is not None:  # a converted BatchNorm2d accepts 4-D input only, as before conversion
+                check(self, input)
+            elif input.dim() < 2:
+                raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+        except NotImplementedError:  # the BatchNorm base class: any dimensionality of at least 2
+            if input.dim() < 2:
+                return f"expected at least 2D input (got {input.dim()}D input)"
+        except ValueError as err:
+            return str(err)
         if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+            return f"expected at least 2D input (got {input.dim()}D input)"
         if input.size(1) == 0:
-            raise ValueError("SyncBatchNorm number of input channels should be non-zero")
+            return "SyncBatchNorm number of input channels should be non-zero"
+        if input.size(1) != self.num_features:
+            return (f"expected input with {self.num_features} channels (dim 1) for this layer, got "
+                    f"{input.size(1)} (input shape {tuple(input.shape)})")
+        if not (input.is_floating_point() or input.is_complex()):
+            return f"expected a floating point input, got {input.dtype}"
+        return None
+
+    def _agree(self, input: Tensor, problem: str | None, group: dist.ProcessGroup | None) -> None:
+        """Once per layer and group (its first distributed training forward): every rank reports its input
+        problem, channel count, dtype and input rank, and every rank raises the same error if any is off.
+
+        After that, a refused input on one rank is signalled inside the statistics exchange itself, so
+        the steady state costs no extra collective."""
+        if self.__dict__.get(_CHECKED_GROUP) is group and group is not None:
+            portable = self._device().type != "cuda" or "gloo" in str(dist.get_backend(group)).lower()
+            if problem is not None and portable:  # join this step's statistics exchange with a flag, then explain
+                flag = torch.full((2 * self.num_features + 1,), -1.0, dtype=torch.float64, device=self._device())
+                world = dist.get_world_size(group)
+                all_gather_single(torch.empty(world * flag.numel(), dtype=flag.dtype, device=flag.device), flag,
+                                   group=group)
+                _raise_input_problems(problem, group)
+            if problem is not None:  # torch's NCCL kernels: no room for a flag in their exchange
+                raise ValueError(problem)
+            return
+        dtype = str(input.dtype).removeprefix("torch.") if isinstance(input, Tensor) else "-"
+        ndim = input.dim() if isinstance(input, Tensor) else -1
+        mine = (problem, self.num_features, dtype, ndim)
+        every: list[Any] = collectives.gather_objects(mine, group=group, safe=True) or []
+        ranks = collectives._global_ranks(group)
+        problems = {r: p for r, (p, *_) in zip(ranks, every) if p is not None}
+        if problems:
+            _raise_problem_text(problems, len(ranks))
+        for what, at, fix in (
+                ("num_features", 1, "Build the same model on every rank (the channel count must not depend on the "
+                                    "rank)."),
+                ("input dtype", 2, "Feed the same dtype on every rank (the same autocast / precision setting)."),
+                ("input dimensions", 3, "Feed inputs of the same rank (N, C, ...) on every rank.")):
+            values = {r: entry[at] for r, entry in zip(ranks, every)}
+            if len(set(values.values())) > 1:
+                raise RankMismatchError(f"SyncBatchNorm: {what} differs across ranks: {format_ranks(values)}. {fix}",
+                                        values)
+        self.__dict__[_CHECKED_GROUP] = group
+
+    def _device(self) -> torch.device:
+        for t in (self.weight, self.running_mean):
+            if t is not None:
+                return t.device
+        return torch.device("cpu")
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalise ``input``; a collective in training mode when distributed (see the class doc)."""
-        self._check_input_dim(input)
+        problem = self._input_problem(input)
+        group_ = self.process_group if self.process_group is not None else dist.group.WORLD
+        distributed = (self.training and dist.is_available() and dist.is_initialized()
+                       and dist.get_world_size(group_) > 1)
+        if distributed:
+            # every rank hears about a bad input on any rank, instead of gloo aborting on mismatched sizes
+            self._agree(input, problem, group_)
+        elif problem is not None:
+            raise ValueError(problem)
         # Remembered so that revert_sync_batchnorm can give back a BatchNorm of the right dimensionality.
         self.__dict__[_SEEN_NDIM] = input.dim()
 
-        # Everything down to F.batch_norm mirrors torch's _BatchNorm.forward, so the two agree exactly.
+        # Everything down to F.batch_norm mirrors torch's BatchNorm forward, so the two agree exactly.
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -287,9 +387,7 @@ class SyncBatchNorm(_BatchNorm):
         # torch's own kernels are CUDA-only and fused: use them for CUDA tensors on NCCL (and other
         # non-gloo backends); everything else takes the portable path.
         if input.is_cuda and "gloo" not in str(dist.get_backend(group)).lower():
-            from torch.nn.modules._functions import SyncBatchNorm as _TorchSyncBatchNorm
-
-            return _TorchSyncBatchNorm.apply(input, self.weight, self.bias, running_mean, running_var,  # type: ignore[no-untyped-call,no-any-return]
+            return TorchSyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean, running_var,  # type: ignore[no-untyped-call,no-any-return]
                                              self.eps, factor, group, world_size)
         return _PortableSyncBatchNorm.apply(input, self.weight, self.bias, running_mean,  # type: ignore[no-untyped-call,no-any-return]
                                             running_var, self.eps, factor, group, world_size)
@@ -311,7 +409,7 @@ def _clone_into(cls: type[_M], module: nn.Module, drop: Iterable[str] = ()) -> _
     return new
 
 
-def _is_frozen(module: _BatchNorm) -> bool:
+def _is_frozen(module: BatchNormBase) -> bool:
     params = [p for p in (module.weight, module.bias) if p is not None]
     return bool(params) and not any(p.requires_grad for p in params)
 
@@ -327,8 +425,8 @@ def convert_sync_batchnorm(
 ) -> nn.Module:
     """Replace every BatchNorm layer in ``module`` by a :class:`SyncBatchNorm`, recursively.
 
-    Converts ``BatchNorm1d/2d/3d``, ``torch.nn.SyncBatchNorm`` and any other ``_BatchNorm``
-    subclass. The new layer holds the very same parameter and buffer tensors (so device, dtype,
+    Converts ``BatchNorm1d/2d/3d``, ``torch.nn.SyncBatchNorm`` and any other subclass of torch's
+    BatchNorm base class. The new layer holds the very same parameter and buffer tensors (so device, dtype,
     ``requires_grad`` and optimizer references are kept), the training flag, hooks and other
     attributes, and remembers the original class for :func:`revert_sync_batchnorm`. Runs no
     collective; call it before wrapping the model in DDP.
@@ -362,7 +460,7 @@ def convert_sync_batchnorm(
 def _convert(module: nn.Module, group: dist.ProcessGroup | None, exclude: tuple[str, ...], name: str,
              skipped: list[str]) -> nn.Module:
     out = module
-    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+    if isinstance(module, BatchNormBase) and not isinstance(module, SyncBatchNorm):
         label = name or type(module).__name__
         if _is_frozen(module) or getattr(module, EXCLUDE_ATTR, True) is False or _excluded(name, exclude):
             skipped.append(label)
@@ -386,10 +484,10 @@ def _convert(module: nn.Module, group: dist.ProcessGroup | None, exclude: tuple[
     return out
 
 
-_BY_NDIM: dict[int, type[_BatchNorm]] = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+_BY_NDIM: dict[int, type[BatchNormBase]] = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 
 
-class _BatchNormXd(_BatchNorm):
+class _BatchNormXd(BatchNormBase):
     """A BatchNorm for any input dimensionality: what a never-used SyncBatchNorm reverts to."""
 
     def _check_input_dim(self, input: Tensor) -> None:
@@ -403,7 +501,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     A converted layer gets back its original class (``BatchNorm2d`` stays ``BatchNorm2d``, a
     ``torch.nn.SyncBatchNorm`` gets back its own process group). A :class:`SyncBatchNorm` built
     directly becomes ``BatchNorm1d/2d/3d`` after the dimensionality of the last input it saw, or a
-    dimension-agnostic ``_BatchNorm`` if it never saw one. Parameters, buffers, training flag, hooks and
+    dimension-agnostic BatchNorm if it never saw one. Parameters, buffers, training flag, hooks and
     attributes are kept as in :func:`convert_sync_batchnorm`. Runs no collective.
 
     Returns:
@@ -415,7 +513,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         if cls is None:
             cls = _BY_NDIM.get(module.__dict__.get(_SEEN_NDIM, 0), _BatchNormXd)
         original_group: Any = module.__dict__.get(_ORIGINAL_GROUP, _MISSING)
-        out = _clone_into(cls, module, drop=(_ORIGINAL_CLASS, _ORIGINAL_GROUP, _SEEN_NDIM, "process_group"))
+        out = _clone_into(cls, module, drop=(_ORIGINAL_CLASS, _ORIGINAL_GROUP, _SEEN_NDIM, _CHECKED_GROUP,
+                                                    "process_group"))
         if original_group is not _MISSING:
             out.__dict__["process_group"] = original_group
     for child_name, child in list(out._modules.items()):
@@ -459,7 +558,7 @@ def dedicated_group() -> dist.ProcessGroup | None:
 # --------------------------------------------------------------------------------------------------
 # DDP's buffer broadcast is redundant for synchronised running statistics
 
-_DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
+_DDP_IGNORE = DDP_IGNORE_ATTR
 
 
 def share_running_stats(model: nn.Module) -> list[str]:
@@ -469,7 +568,7 @@ def share_running_stats(model: nn.Module) -> list[str]:
     rank 0 before each training forward: one more blocking collective per step, pure waste for the
     running statistics of a :class:`SyncBatchNorm` synchronised over the whole world, which every
     rank computes from the same gathered numbers. This broadcasts those buffers once from global rank
-    0 (so the ranks start equal) and adds their names to ``model._ddp_params_and_buffers_to_ignore``,
+    0 (so the ranks start equal) and adds their names to the list DDP skips (``_compat.torch_api.DDP_IGNORE_ATTR``),
     which DDP reads when it wraps ``model``. Other buffers (plain, frozen or excluded BatchNorm
     layers, layers synchronised over a sub-group) keep DDP's broadcast.
 

@@ -5,31 +5,43 @@ Every function here:
 * must be called by **every rank of the group**, in the same order, and blocks until all have;
 * returns its input unchanged (or a one-element result) when ``torch.distributed`` is not
   initialised or the group has a single rank, so the same code runs in one process;
-* first exchanges one small fixed-size metadata record (which function, dtype, shape, device,
-  payload size) with every rank, and raises :class:`~lightning_sync.RankMismatchError` on every
-  rank, naming each rank's value, when they disagree. Gloo would otherwise abort the process
-  ("Received data size doesn't match expected size") or return zero-padded garbage;
+* first exchanges one small fixed-size metadata record with every rank: which function, whether
+  this rank's arguments are valid, ``src``/``dst``/``op``, payload size and a checksum of the
+  tensor layout (dtype, shape, device). A bad argument on any rank (an unpicklable object, a float
+  seed, an unknown op, a 0-d tensor where rows are needed) becomes the same ``TypeError`` or
+  ``ValueError`` on every rank, naming the rank and its value, instead of an error on one rank and
+  a hang on the others; ranks that disagree raise :class:`~lightning_sync.RankMismatchError` on
+  every rank, naming each rank's value. Gloo would otherwise abort the process ("Received data
+  size doesn't match expected size") or return zero-padded garbage;
 * accepts ``group`` (default: the world) and works on gloo (CPU tensors) and NCCL (CPU inputs are
   moved to the current CUDA device for the exchange and the result is moved back).
 
 ``src``/``dst`` are global ranks, as in ``torch.distributed``.
+
+:func:`broadcast_object` and :func:`gather_objects` pickle, so a peer's bytes can run code on the
+receiver: the ranks of a process group must trust each other (see ``docs/security.md``). With
+``safe=True`` they use torch's ``weights_only`` unpickler instead, which accepts plain data only
+(numbers, strings, lists, tuples, dicts, sets, tensors, dtypes) and refuses anything else.
 
 Only ``torch.distributed`` is imported here, never Lightning.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import math
 import pickle
 import secrets
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_sync._compat.torch_api import all_gather_single as _all_gather_single
 from lightning_sync.errors import CollectiveMismatchError, RankMismatchError, format_ranks
 
 __all__ = [
@@ -54,22 +66,14 @@ _REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
 # Order matters: the index is the wire code. Append only.
 _CALLS = ("all_reduce", "all_gather_uneven", "broadcast_object", "gather_objects", "broadcast_seed",
           "all_gather_uneven_dict", "gather_uneven")
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
-    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128, torch.uint16, torch.uint32,
-    torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
-)
-_DEVICE_KINDS = ("cpu", "cuda")
-_MAX_DIMS = 8
-# Record layout (int64): magic, call, arg, dtype, device, ndim, dims[_MAX_DIMS], payload, aux.
+# Record layout (int64): magic, call, problem (bytes of this rank's argument error; 0: arguments
+# valid), arg (src, dst or op), payload (rows or bytes), aux (the seed), layout checksum.
 _MAGIC = 0x4C53594E  # "LSYN"
-_I_CALL, _I_ARG, _I_DTYPE, _I_DEVICE, _I_NDIM, _I_DIMS = 1, 2, 3, 4, 5, 6
-_I_PAYLOAD = _I_DIMS + _MAX_DIMS
-_I_AUX = _I_PAYLOAD + 1
-_META_LEN = _I_AUX + 1
+_I_CALL, _I_PROBLEM, _I_ARG, _I_PAYLOAD, _I_AUX, _I_LAYOUT = 1, 2, 3, 4, 5, 6
+_META_LEN = 7
 _NONE = -1
-# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); same semantics.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# The exception classes a local argument problem may carry to the other ranks.
+_PROBLEM_TYPES: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError}
 
 
 def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
@@ -78,55 +82,46 @@ def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
+# describing values
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _layout(tensor: Tensor) -> tuple[str, tuple[int, ...], str]:
+    """(dtype, shape, device kind): what must match across ranks, as shown in errors."""
+    return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.device.type
+
+
+def _describe(layout: Sequence[Any]) -> str:
+    dtype, shape, device = layout
+    return f"{_shape_text(shape)} {dtype} on {device}"
+
+
+def _value(obj: Any, limit: int = 80) -> str:
+    """``type repr`` of a user's value for an error message, short and never raising."""
+    try:
+        text = repr(obj)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
+        text = "<unprintable>"
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(obj).__name__} {text}"
+
+
+# --------------------------------------------------------------------------------------------------
 # metadata exchange
 
 
-def _comm_device(group: dist.ProcessGroup | None, tensor: Tensor | None = None) -> torch.device:
+def _comm_device(group: dist.ProcessGroup | None, tensor: Any = None) -> torch.device:
     """The device a payload must live on for ``group``'s backend."""
-    if tensor is not None and tensor.device.type == "cuda":
+    if isinstance(tensor, Tensor) and tensor.device.type == "cuda":
         return tensor.device
     backend = str(dist.get_backend(group)).lower()
     if "gloo" not in backend and "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    try:
-        return _DTYPES.index(dtype)
-    except ValueError:
-        return 1000 + zlib.crc32(str(dtype).encode()) % 1000  # hash() of a str differs per process
-
-
-def _dtype_name(code: int) -> str:
-    return str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else f"dtype#{code}"
-
-
-def _device_code(device: torch.device) -> int:
-    return _DEVICE_KINDS.index(device.type) if device.type in _DEVICE_KINDS else len(_DEVICE_KINDS)
-
-
-def _device_name(code: int) -> str:
-    return _DEVICE_KINDS[code] if 0 <= code < len(_DEVICE_KINDS) else "other"
-
-
-def _record(call: str, *, arg: int = _NONE, tensor: Tensor | None = None, payload: int = _NONE,
-            aux: int = _NONE) -> list[int]:
-    rec = [_NONE] * _META_LEN
-    rec[0] = _MAGIC
-    rec[_I_CALL] = _CALLS.index(call)
-    rec[_I_ARG] = arg
-    rec[_I_PAYLOAD] = payload
-    rec[_I_AUX] = aux
-    if tensor is not None:
-        rec[_I_DTYPE] = _dtype_code(tensor.dtype)
-        rec[_I_DEVICE] = _device_code(tensor.device)
-        rec[_I_NDIM] = tensor.ndim
-        dims = list(tensor.shape)
-        if len(dims) > _MAX_DIMS:  # fold the tail into one number so any difference still shows
-            dims = dims[: _MAX_DIMS - 1] + [zlib.crc32(repr(dims[_MAX_DIMS - 1:]).encode())]
-        rec[_I_DIMS:_I_DIMS + len(dims)] = dims
-    return rec
 
 
 #: Set by :mod:`lightning_sync.guard` while a collective guard is active: called with the collective's
@@ -153,6 +148,105 @@ def _global_ranks(group: dist.ProcessGroup | None) -> list[int]:
     return [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
 
 
+def _padded_exchange(parts: Sequence[Tensor], sizes: list[int], group: dist.ProcessGroup | None,
+                     device: torch.device, dst: int | None = None) -> Tensor | None:
+    """Exchange each rank's bytes (``parts`` back to back, ``sizes[r]`` bytes on group rank ``r``).
+
+    Every rank sends one buffer of ``max(sizes)`` bytes, so the exchange is one even all-gather
+    (``dst=None``) or gather (to global rank ``dst``). Returns the ``(world, max(sizes))`` uint8
+    blocks on receiving ranks (row ``r``'s bytes past ``sizes[r]`` are padding), ``None`` elsewhere.
+    """
+    world, most = len(sizes), max(sizes)
+    if len(parts) == 1 and parts[0].numel() == most and parts[0].device == device:
+        send = parts[0]  # the common even case: no copy
+    else:
+        send = torch.empty(most, dtype=torch.uint8, device=device)
+        offset = 0
+        for part in parts:
+            send[offset: offset + part.numel()].copy_(part)
+            offset += part.numel()
+        send[offset:].zero_()  # never read, but never send stale memory either
+    if dst is None:
+        out = torch.empty(world, most, dtype=torch.uint8, device=device)
+        _all_gather_single(out.view(-1), send, group=group)
+        return out
+    receiving = dist.get_rank() == dst
+    blocks = torch.empty(world, most, dtype=torch.uint8, device=device) if receiving else None
+    dist.gather(send, list(blocks.unbind(0)) if blocks is not None else None, dst=dst, group=group)
+    return blocks
+
+
+def _trim(blocks: Tensor, sizes: list[int]) -> list[Tensor]:
+    """Each rank's bytes without the padding."""
+    return [blocks[r, :size] for r, size in enumerate(sizes)]
+
+
+def _all_gather_texts(text: str, group: dist.ProcessGroup | None, device: torch.device,
+                      sizes: list[int] | None = None) -> list[str]:
+    """Every rank's UTF-8 ``text``; ``sizes``: their byte lengths where every rank knows them already."""
+    data = text.encode()
+    if sizes is None:
+        mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+        _all_gather_single(every, mine, group=group)
+        sizes = every.tolist()
+    part = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    blocks = _padded_exchange([part.to(device)], sizes, group, device)
+    assert blocks is not None
+    return [bytes(chunk.cpu().tolist()).decode() for chunk in _trim(blocks, sizes)]
+
+
+class _Problem:
+    """A bad argument found on this rank: raised on every rank once every rank has reported."""
+
+    def __init__(self, kind: type[Exception], message: str) -> None:
+        self.kind, self.message = kind, message
+
+    def encode(self) -> str:
+        return f"{self.kind.__name__}:{self.message}"
+
+
+def _agree(fn: str, group: dist.ProcessGroup | None, device: torch.device, problem: _Problem | None, *,
+           arg: int = _NONE, payload: int = _NONE, aux: int = _NONE, layout: Any = None
+           ) -> tuple[list[list[int]], list[int]]:
+    """The metadata exchange of every collective; returns every rank's record and the global ranks.
+
+    Raises, on every rank: CollectiveMismatchError when ranks entered different collectives; the
+    bad rank's TypeError/ValueError when any rank's arguments are invalid.
+    """
+    text = problem.encode() if problem is not None else ""
+    if problem is not None:  # the arguments may not even be numbers
+        arg = payload = aux = _NONE
+        layout = None
+    record = [_MAGIC, _CALLS.index(fn), len(text.encode()), arg, payload, aux,
+              _NONE if layout is None else zlib.crc32(repr(layout).encode())]
+    records = _exchange(record, group, device)
+    ranks = _check_same_call(fn, records, group)
+    if any(rec[_I_PROBLEM] for rec in records):
+        texts = _all_gather_texts(text, group, device, [rec[_I_PROBLEM] for rec in records])
+        _raise_problems(fn, {r: t for r, t in zip(ranks, texts) if t}, len(ranks))
+    return records, ranks
+
+
+def _raise_problems(fn: str, texts: dict[int, str], world: int) -> None:
+    """One error, the same on every rank, for every rank's argument problem."""
+    problems = {r: t.split(":", 1) for r, t in texts.items()}
+    kind = _PROBLEM_TYPES.get(next(iter(problems.values()))[0], ValueError)
+    messages = {r: msg for r, (_, msg) in problems.items()}
+    if len(messages) == world and len(set(messages.values())) == 1:
+        raise kind(f"{fn}: bad argument on every rank: {next(iter(messages.values()))}")
+    where = "rank" if len(messages) == 1 else "ranks"
+    listed = "; ".join(f"rank {r}: {msg}" for r, msg in messages.items())
+    raise kind(f"{fn}: bad argument on {where} {', '.join(map(str, messages))} of {world} "
+               f"(every rank raises this error): {listed}")
+
+
+def _raise_local(fn: str, problem: _Problem | None) -> None:
+    """Not distributed: a bad argument is raised right away."""
+    if problem is not None:
+        raise problem.kind(f"{fn}: {problem.message}")
+
+
 def _check_same_call(fn: str, records: list[list[int]], group: dist.ProcessGroup | None) -> list[int]:
     """Raise CollectiveMismatchError unless every rank entered ``fn``; return the global ranks."""
     ranks = _global_ranks(group)
@@ -173,14 +267,57 @@ def _raise_if_differs(fn: str, what: str, values: dict[int, Any], fix: str) -> N
         raise RankMismatchError(f"{fn}: {what} differs across ranks: {format_ranks(values)}. {fix}", values)
 
 
-def _shape_of(rec: list[int]) -> tuple[int, ...]:
-    return tuple(rec[_I_DIMS:_I_DIMS + min(rec[_I_NDIM], _MAX_DIMS)])
+def _check_same_arg(fn: str, name: str, records: list[list[int]], ranks: list[int], fix: str,
+                    show: Any = None) -> None:
+    values = {r: (show(rec[_I_ARG]) if show else rec[_I_ARG]) for r, rec in zip(ranks, records)}
+    _raise_if_differs(fn, name, values, fix)
 
 
-def _describe(rec: list[int]) -> str:
-    shape = _shape_of(rec)
-    text = "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
-    return f"{text} {_dtype_name(rec[_I_DTYPE])} on {_device_name(rec[_I_DEVICE])}"
+def _rank_problem(name: str, value: Any, group: dist.ProcessGroup | None, optional: bool = False
+                  ) -> _Problem | None:
+    """``src``/``dst`` must be an int naming a rank of the group (or None where ``optional``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        return _Problem(TypeError, f"{name} must be an int{' or None' if optional else ''} (a global rank); "
+                                   f"got {_value(value)}.")
+    if is_distributed(group) and value not in _global_ranks(group):
+        return _Problem(ValueError, f"{name}={value} is not a rank of the group (its global ranks: "
+                                    f"{_global_ranks(group)}).")
+    return None
+
+
+def _explain_layouts(fn: str, mine: list[list[Any]], ranks: list[int],
+                     group: dist.ProcessGroup | None, device: torch.device, whole_shape: bool) -> None:
+    """Error path only: exchange every rank's layout (as JSON) and raise one precise error on every rank.
+
+    ``mine``: ``[[key, dtype, shape, device], ...]``. ``whole_shape``: the whole shape must match
+    (all_reduce); otherwise only the number of dimensions and the trailing shape (gathers).
+    """
+    # JSON, not pickle: nothing a peer sends here can run code
+    layouts = {r: json.loads(t) for r, t in zip(ranks, _all_gather_texts(json.dumps(mine), group, device))}
+    keys = {r: [entry[0] for entry in lay] for r, lay in layouts.items()}
+    if len({tuple(k) for k in keys.values()}) > 1:
+        raise RankMismatchError(f"{fn}: keys differ across ranks: {format_ranks(keys)}. Return the same keys from "
+                                "every rank (every step of every rank must produce the same structure).", keys)
+    for i, key in enumerate(keys[ranks[0]]):
+        label = f" for key {key!r}" if key else ""
+        shown = {r: _describe(lay[i][1:]) for r, lay in layouts.items()}
+        if whole_shape:
+            _raise_if_differs(fn, "tensor" + label, shown,
+                              f"Pass tensors of one shape and dtype on every rank ({fn} combines them element by "
+                              "element).")
+            continue
+        _raise_if_differs(fn, "dtype" + label, {r: lay[i][1] for r, lay in layouts.items()},
+                          "Pass the same dtype on every rank (cast before gathering).")
+        if len({(len(lay[i][2]), tuple(lay[i][2][1:])) for lay in layouts.values()}) > 1:
+            raise RankMismatchError(
+                f"{fn}: trailing shape{label} differs across ranks: {format_ranks(shown)}. Pass tensors with the "
+                "same trailing shape on every rank (only dim 0 may differ); pad ragged rows and gather their "
+                "lengths alongside.", shown)
+        _raise_if_differs(fn, "device kind" + label, {r: lay[i][3] for r, lay in layouts.items()},
+                          "Put the tensors on the same kind of device on every rank.")
+    raise AssertionError(f"{fn}: layout checksums differ but no difference was found: {layouts}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,27 +340,24 @@ def all_reduce(tensor: Tensor, op: ReduceOpName = "sum", group: dist.ProcessGrou
         ``tensor``, reduced.
 
     Raises:
-        ValueError: ``op`` is not one of the names above.
+        TypeError: ``tensor`` is not a tensor, or ``op`` does not apply to its dtype (on every rank
+            when any rank's argument is bad).
+        ValueError: ``op`` is not one of the names above (on every rank when any rank's is not).
         RankMismatchError: ranks passed different shapes, dtypes or ops (raised on every rank).
     """
-    if op not in _REDUCE_OPS:
-        raise ValueError(f"all_reduce: op must be one of {', '.join(_REDUCE_OPS)}; got {op!r}.")
-    if not is_distributed(group):
-        return tensor
     fn = "all_reduce"
+    problem = _reduce_problem(tensor, op)
+    if not is_distributed(group):
+        _raise_local(fn, problem)
+        return tensor
     device = _comm_device(group, tensor)
-    records = _exchange(_record(fn, arg=_REDUCE_OPS.index(op), tensor=tensor), group, device)
-    ranks = _check_same_call(fn, records, group)
-    fix = "Pass tensors of one shape and dtype on every rank"
-    _raise_if_differs(fn, "op", {r: _REDUCE_OPS[rec[_I_ARG]] for r, rec in zip(ranks, records)},
-                      "Every rank must pass the same op.")
-    _raise_if_differs(fn, "tensor", {r: _describe(rec) for r, rec in zip(ranks, records)},
-                      f"{fix} (all_reduce combines them element by element).")
-    if tensor.dtype == torch.bool and op not in ("max", "min"):
-        raise TypeError(f"all_reduce: op={op!r} is not defined for bool tensors; use 'max' (any) or 'min' (all).")
-    if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(f"all_reduce: op='mean' needs a floating tensor, got {tensor.dtype}; cast it first "
-                        "(tensor.double()) or reduce with op='sum' and divide yourself.")
+    layout = [["", *_layout(tensor)]] if problem is None else None
+    records, ranks = _agree(fn, group, device, problem, arg=_REDUCE_OPS.index(op) if problem is None else _NONE,
+                            layout=layout)
+    _check_same_arg(fn, "op", records, ranks, "Every rank must pass the same op.", lambda code: _REDUCE_OPS[code])
+    if len({rec[_I_LAYOUT] for rec in records}) > 1:
+        assert layout is not None
+        _explain_layouts(fn, layout, ranks, group, device, whole_shape=True)
 
     work = tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
     staged = work if (work.is_contiguous() and work.device == device) else work.contiguous().to(device)
@@ -235,6 +369,20 @@ def all_reduce(tensor: Tensor, op: ReduceOpName = "sum", group: dist.ProcessGrou
     if staged is not work:
         work.copy_(staged)
     return tensor
+
+
+def _reduce_problem(tensor: Any, op: Any) -> _Problem | None:
+    if not isinstance(tensor, Tensor):
+        return _Problem(TypeError, f"tensor must be a torch.Tensor; got {_value(tensor)}. Wrap a number with "
+                                   "torch.tensor(value).")
+    if not isinstance(op, str) or op not in _REDUCE_OPS:
+        return _Problem(ValueError, f"op must be one of {', '.join(_REDUCE_OPS)}; got {op!r}.")
+    if tensor.dtype == torch.bool and op not in ("max", "min"):
+        return _Problem(TypeError, f"op={op!r} is not defined for bool tensors; use 'max' (any) or 'min' (all).")
+    if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
+        return _Problem(TypeError, f"op='mean' needs a floating tensor, got {tensor.dtype}; cast it first "
+                                   "(tensor.double()) or reduce with op='sum' and divide yourself.")
+    return None
 
 
 def all_gather_uneven(tensor: Tensor, group: dist.ProcessGroup | None = None) -> tuple[Tensor, list[int]]:
@@ -254,9 +402,11 @@ def all_gather_uneven(tensor: Tensor, group: dist.ProcessGroup | None = None) ->
         ``(tensor, [len(tensor)])``.
 
     Raises:
+        TypeError, ValueError: ``tensor`` is not a tensor or is 0-d on some rank (raised on every rank).
         RankMismatchError: dtype, number of dimensions, trailing shape or device kind differ.
     """
     rows, counts = _gather_rows("all_gather_uneven", {"": tensor}, group)
+    assert rows is not None
     return rows[""], counts
 
 
@@ -272,110 +422,12 @@ def all_gather_uneven_dict(tensors: Mapping[str, Tensor], group: dist.ProcessGro
         ``(rows_by_key, counts)``, rows in rank order, keys in the order given.
 
     Raises:
-        ValueError: the tensors of one rank have different row counts, or one is 0-d.
+        ValueError: the tensors of some rank have different row counts, or one is 0-d (every rank).
         RankMismatchError: keys, dtypes, trailing shapes or device kinds differ across ranks.
     """
-    return _gather_rows("all_gather_uneven_dict", dict(tensors), group)
-
-
-def _describe_tensor(tensor: Tensor) -> tuple[str, tuple[int, ...], str]:
-    return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.device.type
-
-
-def _shape_text(shape: tuple[int, ...]) -> str:
-    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
-
-
-def _local_row_problem(fn: str, tensors: dict[str, Tensor]) -> str | None:
-    if not tensors:
-        return f"{fn}: got no tensors."
-    if any(t.ndim == 0 for t in tensors.values()):
-        return f"{fn}: needs tensors with a row dimension; got a 0-d tensor. Use tensor.reshape(1)."
-    counts = {k: t.shape[0] for k, t in tensors.items()}
-    if len(set(counts.values())) > 1:
-        return f"{fn}: tensors of one rank must have the same number of rows; got {counts}."
-    return None
-
-
-def _gather_rows(fn: str, tensors: dict[str, Tensor], group: dist.ProcessGroup | None
-                 ) -> tuple[dict[str, Tensor], list[int]]:
-    problem = _local_row_problem(fn, tensors)
-    if not is_distributed(group):
-        if problem:
-            raise ValueError(problem)
-        return tensors, [next(iter(tensors.values())).shape[0]]
-    first = next(iter(tensors.values()), None)
-    device = _comm_device(group, first)
-    # Everything that must match is folded into one checksum, so the happy path costs one fixed-size
-    # exchange whatever the number of tensors; the details are exchanged only to explain a mismatch.
-    layout = [(k, *_describe_tensor(t)[::2], t.shape[1:], t.ndim) for k, t in tensors.items()]
-    signature = zlib.crc32(repr(layout).encode())
-    rows = first.shape[0] if first is not None and not problem else 0
-    records = _exchange(_record(fn, arg=1 if problem else 0, payload=rows, aux=signature), group, device)
-    ranks = _check_same_call(fn, records, group)
-    if any(rec[_I_ARG] for rec in records) or len({rec[_I_AUX] for rec in records}) > 1:
-        _explain_row_mismatch(fn, tensors, problem, ranks, group)
-    counts = [rec[_I_PAYLOAD] for rec in records]
-    world, most, rank = len(counts), max(counts), dist.get_rank(group)
-    row_bytes = {k: math.prod(t.shape[1:]) * t.element_size() for k, t in tensors.items()}
-    width = sum(row_bytes.values())
-    if most == 0 or width == 0:
-        return {k: t.new_empty((sum(counts), *t.shape[1:])) for k, t in tensors.items()}, counts
-
-    # One rank's block: tensor after tensor, each as raw bytes; blocks padded to the largest rank.
-    flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
-    if len(flats) == 1 and counts[rank] == most and flats[0].device == device:
-        send = flats[0]
-    else:
-        send = torch.empty(most * width, dtype=torch.uint8, device=device)  # padding is never read
-        offset = 0
-        for flat in flats:
-            send[offset: offset + flat.numel()].copy_(flat)
-            offset += flat.numel()
-    out = torch.empty(world * most * width, dtype=torch.uint8, device=device).view(world, most * width)
-    _all_gather_single(out.view(-1), send, group=group)
-
-    result: dict[str, Tensor] = {}
-    offsets = [0] * world
-    for key, tensor in tensors.items():
-        rb = row_bytes[key]
-        if len(tensors) == 1 and min(counts) == most:
-            raw = out.view(-1)
-        else:
-            raw = torch.cat([out[r, offsets[r]: offsets[r] + counts[r] * rb] for r in range(world)])
-        offsets = [o + c * rb for o, c in zip(offsets, counts)]
-        result[key] = raw.view(tensor.dtype).reshape(sum(counts), *tensor.shape[1:]).to(tensor.device)
-    return result, counts
-
-
-def _explain_row_mismatch(fn: str, tensors: dict[str, Tensor], problem: str | None, ranks: list[int],
-                          group: dist.ProcessGroup | None) -> None:
-    """Second exchange, on the error path only: every rank's layout, then one precise error everywhere."""
-    mine = (problem, {k: _describe_tensor(t) for k, t in tensors.items()})
-    every = gather_objects(mine, group=group)
-    assert every is not None
-    problems = {r: p for r, (p, _) in zip(ranks, every) if p}
-    if problems:  # bad input rather than disagreement, but every rank learns every rank's problem
-        raise ValueError(f"{fn}: " + "; ".join(f"rank {r}: {p.removeprefix(fn + ': ')}" for r, p in problems.items()))
-    layouts = {r: lay for r, (_, lay) in zip(ranks, every)}
-    keys = {r: list(lay) for r, lay in layouts.items()}
-    if len({tuple(k) for k in keys.values()}) > 1:
-        raise RankMismatchError(f"{fn}: keys differ across ranks: {format_ranks(keys)}. Return the same keys from "
-                                "every rank (every step of every rank must produce the same structure).", keys)
-    for key in keys[ranks[0]]:
-        label = f" for key {key!r}" if key else ""
-        dtypes = {r: lay[key][0] for r, lay in layouts.items()}
-        _raise_if_differs(fn, "dtype" + label, dtypes, "Pass the same dtype on every rank (cast before gathering).")
-        trailing = {r: (len(lay[key][1]), lay[key][1][1:]) for r, lay in layouts.items()}
-        if len(set(trailing.values())) > 1:
-            shapes = {r: f"{_shape_text(lay[key][1])} {lay[key][0]} on {lay[key][2]}" for r, lay in layouts.items()}
-            raise RankMismatchError(
-                f"{fn}: trailing shape{label} differs across ranks: {format_ranks(shapes)}. Pass tensors with the "
-                "same trailing shape on every rank (only dim 0 may differ); pad ragged rows and gather their "
-                "lengths alongside.", shapes)
-        _raise_if_differs(fn, "device kind" + label, {r: lay[key][2] for r, lay in layouts.items()},
-                          "Put the tensors on the same kind of device on every rank.")
-    raise AssertionError(f"{fn}: layout checksums differ but no difference was found: {layouts}")
+    rows, counts = _gather_rows("all_gather_uneven_dict", dict(tensors), group)
+    assert rows is not None
+    return rows, counts
 
 
 def gather_uneven(tensor: Tensor, dst: int = 0, group: dist.ProcessGroup | None = None
@@ -395,96 +447,156 @@ def gather_uneven(tensor: Tensor, dst: int = 0, group: dist.ProcessGroup | None 
         other ranks; every rank gets the per-rank row counts. Not distributed: ``(tensor, [len(tensor)])``.
 
     Raises:
+        TypeError, ValueError: a bad ``tensor`` or ``dst`` on some rank (raised on every rank).
         RankMismatchError: ``dst``, dtype, trailing shape or device kind differ across ranks.
     """
-    if tensor.ndim == 0:
-        raise ValueError("gather_uneven: needs a tensor with a row dimension; got a 0-d tensor. Use tensor.reshape(1).")
+    rows, counts = _gather_rows("gather_uneven", {"": tensor}, group, dst=dst)
+    return (rows[""] if rows is not None else None), counts
+
+
+def _rows_problem(tensors: dict[str, Any]) -> _Problem | None:
+    if not tensors:
+        return _Problem(ValueError, "got no tensors.")
+    for key, t in tensors.items():
+        label = f"key {key!r}: " if key else ""
+        if not isinstance(t, Tensor):
+            return _Problem(TypeError, f"{label}needs a torch.Tensor with a row dimension; got {_value(t)}.")
+        if t.ndim == 0:
+            return _Problem(ValueError, f"{label}needs a tensor with a row dimension; got a 0-d tensor "
+                                        f"({t.item()!r}). Use tensor.reshape(1).")
+    counts = {k: t.shape[0] for k, t in tensors.items()}
+    if len(set(counts.values())) > 1:
+        return _Problem(ValueError, f"tensors of one rank must have the same number of rows; got {counts}.")
+    return None
+
+
+def _gather_rows(fn: str, tensors: dict[str, Tensor], group: dist.ProcessGroup | None, dst: int | None = None
+                 ) -> tuple[dict[str, Tensor] | None, list[int]]:
+    """Rows of every rank, per key, in rank order; ``None`` instead of the rows on ranks other than ``dst``."""
+    problem = _rows_problem(tensors) or (_rank_problem("dst", dst, group) if fn == "gather_uneven" else None)
     if not is_distributed(group):
-        return tensor, [tensor.shape[0]]
-    fn = "gather_uneven"
-    device = _comm_device(group, tensor)
-    records = _exchange(_record(fn, arg=dst, tensor=tensor), group, device)
-    ranks = _check_same_call(fn, records, group)
-    _raise_if_differs(fn, "dst", {r: rec[_I_ARG] for r, rec in zip(ranks, records)}, "Pass the same dst on every rank.")
-    if dst not in ranks:
-        raise ValueError(f"gather_uneven: dst={dst} is not a rank of the group (its global ranks: {ranks}).")
-    _raise_if_differs(fn, "dtype", {r: _dtype_name(rec[_I_DTYPE]) for r, rec in zip(ranks, records)},
-                      "Pass the same dtype on every rank (cast before gathering).")
-    if len({(rec[_I_NDIM], _shape_of(rec)[1:]) for rec in records}) > 1:
-        shapes = {r: _describe(rec) for r, rec in zip(ranks, records)}
-        raise RankMismatchError(
-            f"{fn}: trailing shape differs across ranks: {format_ranks(shapes)}. Pass tensors with the same trailing "
-            "shape on every rank (only dim 0 may differ).", shapes)
-    _raise_if_differs(fn, "device kind", {r: _device_name(rec[_I_DEVICE]) for r, rec in zip(ranks, records)},
-                      "Put the tensor on the same kind of device on every rank.")
-    counts = [rec[_I_DIMS] for rec in records]
-    trailing = tuple(tensor.shape[1:])
-    row_bytes = math.prod(trailing) * tensor.element_size()
-    is_dst = dist.get_rank() == dst
-    world, most = len(counts), max(counts)
-    if most == 0 or row_bytes == 0:
-        return (tensor.new_empty((sum(counts), *trailing)) if is_dst else None), counts
-    local = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    if counts[dist.get_rank(group)] == most and local.device == device:
-        send = local
-    else:
-        send = torch.zeros(most * row_bytes, dtype=torch.uint8, device=device)
-        send[: local.numel()].copy_(local)
-    out = torch.empty(world, most * row_bytes, dtype=torch.uint8, device=device) if is_dst else None
-    dist.gather(send, list(out.unbind(0)) if out is not None else None, dst=dst, group=group)
-    if out is None:
+        _raise_local(fn, problem)
+        return tensors, [next(iter(tensors.values())).shape[0]]
+    first = next(iter(tensors.values()), None)
+    device = _comm_device(group, first)
+    # Everything that must match is folded into one checksum, so the happy path costs one fixed-size
+    # exchange whatever the number of tensors; the details are exchanged only to explain a mismatch.
+    layout = [[k, *_layout(t)] for k, t in tensors.items()] if problem is None else None
+    signature = [[k, d, len(s), list(s[1:]), dev] for k, d, s, dev in layout] if layout is not None else None
+    records, ranks = _agree(fn, group, device, problem, arg=_NONE if dst is None else dst,
+                            payload=first.shape[0] if problem is None and first is not None else 0, layout=signature)
+    if dst is not None:
+        _check_same_arg(fn, "dst", records, ranks, "Pass the same dst on every rank.")
+    if len({rec[_I_LAYOUT] for rec in records}) > 1:
+        assert layout is not None
+        _explain_layouts(fn, layout, ranks, group, device, whole_shape=False)
+    counts = [rec[_I_PAYLOAD] for rec in records]
+    receives = dst is None or dist.get_rank() == dst
+    row_bytes = {k: math.prod(t.shape[1:]) * t.element_size() for k, t in tensors.items()}
+    width = sum(row_bytes.values())
+    if max(counts) == 0 or width == 0:
+        empty = {k: t.new_empty((sum(counts), *t.shape[1:])) for k, t in tensors.items()}
+        return (empty if receives else None), counts
+
+    # One rank's block: tensor after tensor, each as raw bytes.
+    flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
+    blocks = _padded_exchange(flats, [c * width for c in counts], group, device, dst)
+    if blocks is None:
         return None, counts
-    flat = out.reshape(-1)
-    if min(counts) != most:  # drop each rank's padding
-        flat = torch.cat([out[r, : counts[r] * row_bytes] for r in range(world)])
-    rows = flat.view(tensor.dtype).reshape(sum(counts), *trailing)
-    return rows.to(tensor.device), counts
+    result: dict[str, Tensor] = {}
+    offsets = [0] * len(counts)
+    for key, tensor in tensors.items():
+        rb = row_bytes[key]
+        if len(tensors) == 1 and min(counts) == max(counts):
+            raw = blocks.view(-1)
+        else:
+            raw = torch.cat([blocks[r, offsets[r]: offsets[r] + c * rb] for r, c in enumerate(counts)])
+        offsets = [o + c * rb for o, c in zip(offsets, counts)]
+        result[key] = raw.view(tensor.dtype).reshape(sum(counts), *tensor.shape[1:]).to(tensor.device)
+    return result, counts
 
 
-def _source_record(fn: str, src: int, records: list[list[int]], group: dist.ProcessGroup | None) -> list[int]:
-    """Check that every rank entered ``fn`` with the same ``src`` (a group member); return ``src``'s record."""
-    ranks = _check_same_call(fn, records, group)
-    _raise_if_differs(fn, "src", {r: rec[_I_ARG] for r, rec in zip(ranks, records)},
-                      "Pass the same src on every rank.")
-    if src not in ranks:
-        raise ValueError(f"{fn}: src={src} is not a rank of the group (its global ranks: {ranks}).")
-    return records[ranks.index(src)]
+# --------------------------------------------------------------------------------------------------
+# objects
 
 
-def _to_bytes(obj: Any) -> Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+def _to_bytes(obj: Any, safe: bool) -> Tensor:
+    if safe:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = buf.getvalue()
+    else:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _from_bytes(buf: Tensor) -> Any:
-    return pickle.loads(buf.cpu().numpy().tobytes())
+def _from_bytes(buf: Tensor, safe: bool) -> Any:
+    data = buf.cpu().numpy().tobytes()
+    if safe:
+        # torch's restricted unpickler: plain containers, numbers, strings, tensors; no other globals.
+        return torch.load(io.BytesIO(data), weights_only=True)
+    return pickle.loads(data)
 
 
-def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+def _pickle(fn: str, obj: Any, safe: bool) -> tuple[Tensor | None, _Problem | None]:
+    try:
+        payload = _to_bytes(obj, safe)
+    except Exception as err:  # noqa: BLE001 - pickling raises PicklingError, TypeError, AttributeError...
+        return None, _Problem(TypeError, f"cannot pickle {_value(obj)}: {type(err).__name__}: {err}")
+    if safe:  # refuse on the sender what every receiver would refuse, while every rank can still hear it
+        try:
+            torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+        except Exception as err:  # noqa: BLE001
+            first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            return None, _Problem(TypeError, f"safe=True accepts plain data only (numbers, strings, lists, tuples, "
+                                             f"dicts, tensors); got {_value(obj)}: {first}")
+    return payload, None
+
+
+def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None, safe: bool = False) -> Any:
     """Send a picklable object from global rank ``src`` to every rank of ``group``.
 
     All ranks must call it with the same ``src``; it blocks. The object on ranks other than ``src``
     is ignored (pass ``None``).
 
+    Args:
+        obj: the object (only ``src``'s counts).
+        src: the global rank whose object every rank receives.
+        group: the process group; the world by default.
+        safe: unpickle with torch's ``weights_only`` unpickler: plain data only, no code can run on
+            the receivers. Default ``False``: plain pickle (the peers must be trusted).
+
     Returns:
         ``src``'s object (on ``src`` itself, the very object passed in).
 
     Raises:
-        RankMismatchError: ranks passed different ``src``, or ``src`` is not in ``group``.
+        TypeError: ``src``'s object cannot be pickled (or is not plain data with ``safe``), or ``src``
+            is not an int; raised on every rank.
+        RankMismatchError: ranks passed different ``src``.
     """
-    if not is_distributed(group):
-        return obj
     fn = "broadcast_object"
+    problem = _rank_problem("src", src, group)
+    if not is_distributed(group):
+        _raise_local(fn, problem)
+        return obj
     device = _comm_device(group)
     rank = dist.get_rank()
-    payload = _to_bytes(obj) if rank == src else None
-    records = _exchange(_record(fn, arg=src, payload=payload.numel() if payload is not None else _NONE), group, device)
-    size = _source_record(fn, src, records, group)[_I_PAYLOAD]
+    payload = None
+    if problem is None and rank == src:
+        payload, problem = _pickle(fn, obj, safe)
+    records, ranks = _agree(fn, group, device, problem, arg=src,
+                            payload=payload.numel() if payload is not None else _NONE, aux=int(safe))
+    _check_same_arg(fn, "src", records, ranks, "Pass the same src on every rank.")
+    _raise_if_differs(fn, "safe", {r: bool(rec[_I_AUX]) for r, rec in zip(ranks, records)},
+                      "Pass the same safe= on every rank.")
+    size = records[ranks.index(src)][_I_PAYLOAD]
     buf = payload.to(device) if payload is not None else torch.empty(size, dtype=torch.uint8, device=device)
     dist.broadcast(buf, src=src, group=group)
-    return obj if rank == src else _from_bytes(buf)
+    return obj if rank == src else _from_bytes(buf, safe)
 
 
-def gather_objects(obj: Any, dst: int | None = None, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+def gather_objects(obj: Any, dst: int | None = None, group: dist.ProcessGroup | None = None, safe: bool = False
+                   ) -> list[Any] | None:
     """Collect one picklable object from every rank, in rank order.
 
     All ranks must call it with the same ``dst``; it blocks. Objects are pickled and exchanged as
@@ -494,80 +606,85 @@ def gather_objects(obj: Any, dst: int | None = None, group: dist.ProcessGroup | 
         obj: this rank's object.
         dst: ``None``: every rank receives the list; a global rank: only that rank does.
         group: the process group; the world by default.
+        safe: unpickle with torch's ``weights_only`` unpickler: plain data only, no code can run on
+            the receivers. Default ``False``: plain pickle (the peers must be trusted).
 
     Returns:
         The list of every rank's object (group rank order), or ``None`` on ranks other than ``dst``.
         Not distributed: ``[obj]``.
 
     Raises:
+        TypeError: some rank's object cannot be pickled (or is not plain data with ``safe``), or
+            ``dst`` is not an int; raised on every rank.
         RankMismatchError: ranks passed different ``dst``.
     """
-    if not is_distributed(group):
-        return [obj]
     fn = "gather_objects"
+    problem = _rank_problem("dst", dst, group, optional=True)
+    if not is_distributed(group):
+        _raise_local(fn, problem)
+        return [obj]
     device = _comm_device(group)
-    payload = _to_bytes(obj)
-    records = _exchange(_record(fn, arg=_NONE if dst is None else dst, payload=payload.numel()), group, device)
-    ranks = _check_same_call(fn, records, group)
-    _raise_if_differs(fn, "dst", {r: (None if rec[_I_ARG] == _NONE else rec[_I_ARG]) for r, rec in zip(ranks, records)},
-                      "Pass the same dst on every rank (None: everyone receives the list).")
-    if dst is not None and dst not in ranks:
-        raise ValueError(f"gather_objects: dst={dst} is not a rank of the group (its global ranks: {ranks}).")
+    payload = None
+    if problem is None:
+        payload, problem = _pickle(fn, obj, safe)
+    records, ranks = _agree(fn, group, device, problem, arg=_NONE if dst is None else dst,
+                            payload=payload.numel() if payload is not None else 0, aux=int(safe))
+    _check_same_arg(fn, "dst", records, ranks, "Pass the same dst on every rank (None: everyone receives the list).",
+                    lambda code: None if code == _NONE else code)
+    _raise_if_differs(fn, "safe", {r: bool(rec[_I_AUX]) for r, rec in zip(ranks, records)},
+                      "Pass the same safe= on every rank.")
+    assert payload is not None
     sizes = [rec[_I_PAYLOAD] for rec in records]
-    most = max(sizes)
-    send = torch.zeros(most, dtype=torch.uint8, device=device)
-    send[: payload.numel()].copy_(payload)
-    world = len(ranks)
-    if dst is None:
-        out = torch.empty(world * most, dtype=torch.uint8, device=device)
-        _all_gather_single(out, send, group=group)
-        chunks = list(out.view(world, most))
-    else:
-        chunks_out = [torch.empty(most, dtype=torch.uint8, device=device) for _ in range(world)]
-        dist.gather(send, chunks_out if dist.get_rank() == dst else None, dst=dst, group=group)
-        if dist.get_rank() != dst:
-            return None
-        chunks = chunks_out
-    return [_from_bytes(chunk[:size]) for chunk, size in zip(chunks, sizes)]
+    blocks = _padded_exchange([payload.to(device)], sizes, group, device, dst)
+    if blocks is None:
+        return None
+    return [_from_bytes(chunk, safe) for chunk in _trim(blocks, sizes)]
+
+
+# --------------------------------------------------------------------------------------------------
+# seeds
 
 
 def validate_seed(seed: int | None, what: str = "seed", check_range: bool = True) -> None:
     """Raise TypeError unless ``seed`` is an int or None, ValueError if it is outside ``[0, MAX_SEED]``."""
+    problem = _seed_problem(seed, what, check_range)
+    if problem is not None:
+        raise problem.kind(problem.message)
+
+
+def _seed_problem(seed: Any, what: str = "seed", check_range: bool = True) -> _Problem | None:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"{what} must be an int or None; got {type(seed).__name__} {seed!r}.")
+        return _Problem(TypeError, f"{what} must be an int or None; got {_value(seed)}.")
     if check_range and seed is not None and not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"{what} must be in [0, {MAX_SEED}]; got {seed}.")
+        return _Problem(ValueError, f"{what} must be in [0, {MAX_SEED}]; got {seed}.")
+    return None
 
 
 def broadcast_seed(seed: int | None = None, src: int = 0, group: dist.ProcessGroup | None = None) -> int:
     """Make every rank agree on ``src``'s seed and return it.
 
     All ranks must call it with the same ``src``; it blocks. Only ``src``'s ``seed`` counts; when it
-    is ``None``, ``src`` draws a fresh one from OS entropy. Seeds are in ``[0, 2**32 - 1]``.
+    is ``None``, ``src`` draws a fresh one from OS entropy. Seeds are in ``[0, 2**32 - 1]``. Every
+    rank's ``seed`` must still be an int or None (a float anywhere is a mistake worth hearing about).
 
     Returns:
         The seed of ``src``, identical on every rank. Not distributed: ``seed`` (or a fresh one).
 
     Raises:
+        TypeError: some rank's seed is not an int or None (raised on every rank).
         ValueError: ``src``'s seed is outside ``[0, 2**32 - 1]`` (raised on every rank).
         RankMismatchError: ranks passed different ``src``.
     """
-    # Only src's seed counts, and its range is checked once every rank knows it (below): a local
-    # ValueError on one rank would leave the others waiting.
-    validate_seed(seed, check_range=False)
-    if not is_distributed(group):
-        seed = seed if seed is not None else secrets.randbelow(MAX_SEED + 1)
-        validate_seed(seed)
-        return seed
     fn = "broadcast_seed"
+    if not is_distributed(group):
+        _raise_local(fn, _seed_problem(seed))
+        return seed if seed is not None else secrets.randbelow(MAX_SEED + 1)
     rank = dist.get_rank()
-    if rank == src and seed is None:
+    problem = _rank_problem("src", src, group) or _seed_problem(seed, check_range=rank == src)
+    if problem is None and rank == src and seed is None:
         seed = secrets.randbelow(MAX_SEED + 1)
-    # -1: no seed; -2: out of range (reported once every rank knows). Seeds ride in the record itself.
-    aux = _NONE if seed is None else (seed if 0 <= seed <= MAX_SEED else -2)
-    records = _exchange(_record(fn, arg=src, aux=aux), group, _comm_device(group))
-    chosen = _source_record(fn, src, records, group)[_I_AUX]
-    if chosen == -2:
-        raise ValueError(f"broadcast_seed: rank {src}'s seed is outside [0, {MAX_SEED}]"
-                         + (f": {seed}" if rank == src else "") + ". Pick a seed in that range.")
-    return int(chosen)
+    # The seed rides in the record itself (-1: none, on ranks other than src).
+    aux = seed if problem is None and seed is not None and rank == src else _NONE
+    records, ranks = _agree(fn, group, _comm_device(group), problem, arg=src if problem is None else _NONE, aux=aux)
+    _check_same_arg(fn, "src", records, ranks, "Pass the same src on every rank.")
+    return int(records[ranks.index(src)][_I_AUX])

@@ -261,6 +261,42 @@ def route_interface(target_ip: str, addresses: dict[str, str]) -> tuple[str, str
     return (names[0] if names else ""), source
 
 
+def _is_private(ip: str) -> bool:
+    """Loopback, RFC 1918 / unique-local, link-local or CGNAT (100.64/10): not reachable from the internet."""
+    try:
+        addr = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return False
+    return addr.is_loopback or addr.is_private or addr.is_link_local or addr in ipaddress.ip_network("100.64.0.0/10")
+
+
+def security_notes(master_addr: str, master_ips: list[str], interfaces: dict[str, str], port: int | None) -> list[str]:
+    """Warnings about who else can reach the rendezvous store and the process group.
+
+    The store rank 0 serves (torch's ``TCPStore``) binds every interface (``*:PORT``), whatever
+    MASTER_ADDR is, and takes writes without authentication; the process group and the object
+    collectives unpickle what peers send. So both must only be reachable from the job's own nodes.
+    Pure: looks at addresses only, sends nothing.
+    """
+    notes = []
+    public_master = [ip for ip in master_ips if not _is_private(ip)]
+    if public_master:
+        notes.append(
+            f"security: MASTER_ADDR={master_addr} is a public address ({', '.join(public_master)}). The rendezvous "
+            "store and the process group have no authentication and unpickle what peers send: anyone who reaches "
+            "them can disrupt the job or run code in it. Use the nodes' private (cluster) addresses, or a firewall "
+            "that admits only the job's nodes (see docs/security.md).")
+    exposed = {name: ip for name, ip in interfaces.items() if ip and not _is_private(ip)}
+    if exposed:
+        where = ", ".join(f"{name} {ip}" for name, ip in exposed.items())
+        notes.append(
+            f"security: this host has public interface address(es) ({where}); the rendezvous store on rank 0 "
+            f"listens on every interface (*:{port if port is not None else 'MASTER_PORT'}), even with "
+            "MASTER_ADDR=127.0.0.1, so it is reachable there. Block MASTER_PORT and the gloo/NCCL ports on those "
+            "interfaces (see docs/security.md).")
+    return notes
+
+
 def _versions() -> dict[str, str]:
     def dist_version(*names: str) -> str:
         for name in names:
@@ -357,6 +393,7 @@ def check_rank(launch: Launch, devices: int | None, num_nodes: int | None, backe
             "it would talk to itself, not to node 0.",
             f"set MASTER_ADDR to node 0's routable address, or map {launch.master_addr} to it in /etc/hosts on "
             "this node.", blocking=True))
+    report.notes.extend(security_notes(launch.master_addr, report.master_ips, addresses, launch.master_port))
     master_ip = next((ip for ip in report.master_ips if ":" not in ip), "")
     report.route_iface = route_interface(master_ip, addresses)[0] if master_ip else ""
     if report.route_iface in ("lo", "") and master_ip and _is_loopback(master_ip):
@@ -497,10 +534,16 @@ def _connect_store(launch: Launch, timeout: float) -> tuple[Store | None, str, P
             store = TCPStore(launch.master_addr, port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
         except (RuntimeError, OSError) as err:
             busy = "address already in use" in str(err).lower() or getattr(err, "errno", None) == errno.EADDRINUSE
-            text = (f"MASTER_PORT={port} is already in use on {socket.gethostname()} (rank 0): another job or a stale "
-                    "process holds it." if busy else f"rank 0 could not serve the store on port {port}: {err}")
-            return None, "", Problem(text, "pick another free port: export MASTER_PORT=<port> (same on every node), "
-                                     "or stop the stale process.", blocking=True)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__  # no C++ frames
+            if busy:
+                return None, "", Problem(
+                    f"MASTER_PORT={port} is already in use on {socket.gethostname()} (rank 0): another job or a "
+                    "stale process holds it.", "pick another free port: export MASTER_PORT=<port> (same on every "
+                    "node), or stop the stale process.", blocking=True)
+            return None, "", Problem(
+                f"rank 0 could not serve the store at MASTER_ADDR:MASTER_PORT = {launch.master_addr}:{port}: {first}",
+                "set MASTER_ADDR to an address of rank 0's host (`hostname -I`), reachable from every node.",
+                blocking=True)
         return store, "serves the store", None
     start = time.monotonic()
     deadline = start + timeout
@@ -566,7 +609,7 @@ def _group_test(launch: Launch, store: Store, backend: str, timeout: float) -> s
         total = float(collectives.all_reduce(value, op="sum")[0])
         expected = launch.world_size * (launch.world_size + 1) / 2
         dist.barrier()
-        dist.destroy_process_group()  # clean teardown on every rank (see FINDINGS: teardown crash)
+        dist.destroy_process_group()  # clean teardown on every rank (docs/strategy.md: the gloo teardown crash)
         if total != expected:
             return f"FAILED: all_reduce sum {total} != {expected}"
         return f"ok (join {joined:.2f}s, all_reduce {time.monotonic() - start - joined:.3f}s)"
@@ -658,6 +701,8 @@ def _run_rank(args: argparse.Namespace) -> tuple[int, bool]:
 
     if any(p.blocking for p in launch.problems):
         return own_findings("cannot start: the rendezvous is not configured."), False
+    if not report.master_ips:  # the store could never be served or reached: say why now, not after a timeout
+        return own_findings(f"cannot start: MASTER_ADDR={launch.master_addr!r} does not resolve."), False
     store, report.reach, store_problem = _connect_store(launch, args.timeout)
     if store is None:
         assert store_problem is not None
@@ -741,6 +786,13 @@ def spawn_local(args: argparse.Namespace, argv: list[str]) -> int:
     launch = detect_launch(dict(os.environ), args.devices, args.num_nodes)
     if launch.problems:
         print("lsync-doctor: cannot start:\n" + _render_problems(launch.problems), file=sys.stderr)
+        return 1
+    try:  # before starting anything: every rank would only fail the same way
+        _resolve(launch.master_addr)
+    except OSError as err:
+        print(f"lsync-doctor: cannot start: MASTER_ADDR={launch.master_addr!r} does not resolve ({err.strerror}).\n"
+              "   Fix: use node 0's IP address, or a name every node resolves (DNS or /etc/hosts); for one machine "
+              "unset MASTER_ADDR (127.0.0.1).", file=sys.stderr)
         return 1
     os.environ["MASTER_ADDR"] = launch.master_addr
     os.environ["MASTER_PORT"] = str(launch.master_port or _free_port())

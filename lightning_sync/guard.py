@@ -35,6 +35,7 @@ import functools
 import os
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 import weakref
@@ -708,18 +709,22 @@ def configure_nccl_flight_recorder(env: MutableMapping[str, str] | None = None,
     """Turn on torch's NCCL flight recorder so a collective timeout leaves a per-rank dump.
 
     Must run before the NCCL process group is created. Values already set by the user are kept.
+    The dumps go to ``directory``, by default a fresh private directory (``tempfile.mkdtemp``, mode
+    0700, ``$TMPDIR/lightning_sync_nccl_*``): a predictable name in a shared ``/tmp`` would let
+    another user pre-create or link the dump files.
 
     Returns:
         The variables it set.
     """
     if env is None:
         env = os.environ
-    directory = directory or os.environ.get("TMPDIR", "/tmp")
     wanted = {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # entries per rank: the last collectives and their state
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(directory, "lightning_sync_nccl_trace_rank_"),
     }
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env:  # create the private directory only when it is used
+        directory = directory or tempfile.mkdtemp(prefix="lightning_sync_nccl_")
+        wanted["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(directory, "nccl_trace_rank_")
     done = {}
     for name, value in wanted.items():
         if name not in env:

@@ -2,7 +2,7 @@
 
 Lightning's own launcher re-runs ``sys.argv`` for ranks > 0. Under ``-m`` that child re-runs the
 whole sweep, the next job spawns nothing (``LOCAL_RANK`` is left in the environment) and reuses the
-old process group, and rank 1 writes to another directory (FINDINGS.md). Here, per Hydra job:
+old process group, and rank 1 writes to another directory (docs/multinode.md). Here, per Hydra job:
 
 - rank > 0 replays only this job's overrides (``hydra.overrides.task``) in RUN mode, with
   ``hydra.run.dir`` set to the job's resolved output directory: every rank writes there, and
@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning.fabric.strategies.launchers.subprocess_script import _launch_process_observer
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
+
+from lightning_sync._compat import lightning_api as _compat
+from lightning_sync._compat.torch_api import raise_group_count
 
 __all__ = ["ENTRY_MODULE_ENV", "HydraDDPLauncher", "finish_job", "hydra_active", "rank_command"]
 
@@ -124,7 +124,7 @@ def finish_job(timeout: float = 120.0, failed: bool = False) -> None:
         raise RuntimeError(f"job {job.output_dir}: " + "; ".join(problems))
 
 
-class HydraDDPLauncher(_SubprocessScriptLauncher):
+class HydraDDPLauncher(_compat.SubprocessScriptLauncher):
     """Starts ranks > 0 of the current Hydra job (see the module docstring)."""
 
     @override
@@ -140,13 +140,13 @@ class HydraDDPLauncher(_SubprocessScriptLauncher):
             saved = {key: os.environ.get(key) for key in _LAUNCH_ENV}
             self._call_children_scripts()
             _active = _Job(_current_output_dir(), list(self.procs), saved)
-            _launch_process_observer(self.procs)
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+            _compat.launch_process_observer(self.procs)
+        _compat.set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
     @override
-    def _call_children_scripts(self) -> None:
-        self._check_can_spawn_children()
+    def _call_children_scripts(self) -> None:  # compat: the base class's hook (_compat.TOUCH_POINTS)
+        _compat.check_can_spawn_children(self)
         self.procs = []
         env = self.cluster_environment
         node_rank = env.node_rank()
@@ -185,11 +185,9 @@ def _number_process_groups_on() -> None:
     global _launches
     _launches += 1
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
 
-    world = getattr(c10d, "_world", None)
-    if world is not None and not dist.is_initialized():
-        world.group_count = max(world.group_count, 1000 * _launches)
+    if not dist.is_initialized():
+        raise_group_count(1000 * _launches)
 
 
 def _current_output_dir() -> str:

@@ -40,9 +40,10 @@ def gather_peers() -> list[Peer]:
     me: Peer = (socket.gethostname(), local_address())
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [me]
-    peers: list[Peer | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(peers, me)
-    return [p if p is not None else ("?", "?") for p in peers]
+    from lightning_sync import collectives  # plain data only (safe=True): a peer's bytes cannot run code here
+
+    peers = collectives.gather_objects(me, safe=True) or []
+    return [(str(p[0]), str(p[1])) if isinstance(p, (tuple, list)) and len(p) == 2 else ("?", "?") for p in peers]
 
 
 def lost_peer_message(exception: BaseException, peers: list[Peer], rank: int) -> str | None:

@@ -36,9 +36,6 @@ __all__ = ["SeedLineage", "derive_seed", "seed_everything_local", "WorkerSeeder"
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_sync"
-# Remembers which PL_GLOBAL_SEED we set ourselves, so a second trainer call in the same process
-# reports its origin truthfully.
-_AGREED_ENV = "LSYNC_AGREED_SEED"
 
 
 def derive_seed(root: int, *path: int | str) -> int:
@@ -139,7 +136,9 @@ class SeedLineage:
         """Make every rank adopt rank 0's seed (a collective when distributed; call on every rank).
 
         ``seed`` is this rank's configured seed; ``None`` falls back to ``PL_GLOBAL_SEED`` (set by
-        ``seed_everything``), then to fresh OS entropy drawn on rank 0.
+        ``seed_everything``), then to fresh OS entropy drawn on rank 0. Nothing is written to
+        ``os.environ``: the strategy hands the root to Lightning's samplers itself
+        (``distributed_sampler_kwargs``).
         """
         env = os.environ.get("PL_GLOBAL_SEED")
         local = seed if seed is not None else (int(env) if env is not None and env.lstrip("-").isdigit() else None)
@@ -148,7 +147,7 @@ class SeedLineage:
         elif local is None:
             origin = "entropy"
         else:
-            origin = "an earlier run in this process" if env == os.environ.get(_AGREED_ENV) else "seed_everything"
+            origin = "seed_everything"
         root = broadcast_seed(local)
         if is_distributed():
             info = gather_objects((local, origin))
@@ -159,10 +158,7 @@ class SeedLineage:
         else:
             local_seeds, world = [local], 1
         lineage = cls(root=root, world_size=world, origin=origin, local_seeds=local_seeds)
-        # Samplers (Lightning reads PL_GLOBAL_SEED when it injects a DistributedSampler) and model
-        # initialisation run under the root seed on every rank.
-        os.environ["PL_GLOBAL_SEED"] = os.environ[_AGREED_ENV] = str(root)
-        seed_everything_local(root)
+        seed_everything_local(root)  # model initialisation runs under the root seed on every rank
         return lineage
 
     def seed_rank_streams(self, rank: int) -> None:
@@ -203,7 +199,6 @@ class SeedLineage:
             log.info("lightning_sync: resuming with the checkpoint's root seed %s (this run agreed on %s) so "
                      "samplers and RNG streams continue where they stopped.", state["root_seed"], self.root)
             self.root = int(state["root_seed"])
-            os.environ["PL_GLOBAL_SEED"] = os.environ[_AGREED_ENV] = str(self.root)
         states = state.get("rng_states") or []
         if state.get("world_size") == self.world_size and rank < len(states):
             self._pending_rng = states[rank]

@@ -13,14 +13,15 @@ import threading
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_sync._compat import lightning_api as _compat
+from lightning_sync._compat.lightning_api import PathLike, StrategyRegistryType
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
+from lightning_sync.checkpoint_io import AtomicCheckpointIO
 from lightning_sync.collectives import validate_seed
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
@@ -92,12 +93,12 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        if self._guard is not None and self._get_process_group_backend() == "nccl":
+        if self._guard is not None and _compat.process_group_backend(self) == "nccl":
             configure_nccl_flight_recorder()  # read by NCCL at process-group creation: set it first
         super().setup_distributed()
         self._peers = gather_peers()  # host and address per rank: names a lost peer (on_exception)
         if self._guard is not None:
-            self._guard.install(context=lambda: getattr(self._lightning_module, "_current_fx_name", None))
+            self._guard.install(context=lambda: _compat.current_hook_name(self.lightning_module))
         self._failed = False
         self._lineage = SeedLineage.agree(self._seed_arg)
         rank_zero_info(self._lineage.describe())
@@ -105,7 +106,7 @@ class SyncDDPStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         # sync_batchnorm=True built torch's SyncBatchNorm conversion (CUDA only); use the portable one.
-        self._layer_sync = portable_layer_sync(self._layer_sync)
+        _compat.set_layer_sync(self, portable_layer_sync(_compat.layer_sync(self)))
         super().setup(trainer)
         assert self._lineage is not None
         # Model set-up (configure_model, DDP's broadcast) is done: from here on each rank draws its own
@@ -163,6 +164,16 @@ class SyncDDPStrategy(DDPStrategy):
         handler._lsync_unguard = True  # type: ignore[attr-defined]
         signal.signal(signal.SIGTERM, handler)  # Lightning's teardown restores the original handler
 
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The root seed reaches the DistributedSampler Lightning injects explicitly (Lightning reads
+        # PL_GLOBAL_SEED only when no seed is given): no environment variable carries it.
+        kwargs = dict(super().distributed_sampler_kwargs)
+        if self._lineage is not None:
+            kwargs["seed"] = self._lineage.root
+        return kwargs
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
         if self._lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
@@ -171,8 +182,24 @@ class SyncDDPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ checkpoints
 
+    @property
+    def checkpoint_io(self) -> Any:
+        # Lightning's default stages the file in $TMPDIR and moves it into place: not atomic across
+        # file systems. Ours writes beside the target and renames (lightning_sync.checkpoint_io).
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        else:
+            wrapper: Any = self._checkpoint_io  # AsyncCheckpointIO and friends wrap another IO, maybe not set yet
+            if hasattr(type(wrapper), "checkpoint_io") and wrapper.checkpoint_io is None:
+                wrapper.checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
+
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None) -> None:
         # Called on every rank by trainer.save_checkpoint; the RNG states come from every rank.
         if self._lineage is not None:
             state = self._lineage.checkpoint_state()
@@ -181,20 +208,22 @@ class SyncDDPStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        # Lightning passes weights_only from 2.6.0 on; older ones have no such parameter.
+        checkpoint = super().load_checkpoint(checkpoint_path, **_compat.load_checkpoint_kwargs(weights_only))
         self._pending_checkpoint_state = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 
     @override
-    def _configure_launcher(self) -> None:
+    def _configure_launcher(self) -> None:  # compat: Lightning's launcher hook (_compat.TOUCH_POINTS)
         super()._configure_launcher()
-        if self._start_method == "popen":  # under Hydra: ranks replay only their job (launcher.py)
+        if _compat.start_method(self) == "popen":  # under Hydra: ranks replay only their job (launcher.py)
             from lightning_sync.launcher import HydraDDPLauncher, hydra_active
 
             if hydra_active():
                 assert self.cluster_environment is not None
-                self._launcher = HydraDDPLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+                _compat.set_launcher(self, HydraDDPLauncher(self.cluster_environment, self.num_processes,
+                                                            self.num_nodes))
 
     # ------------------------------------------------------------------ teardown
 
@@ -231,12 +260,12 @@ class SyncDDPStrategy(DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         # Overridden so DDPStrategy's names ("ddp", ...) are not registered a second time.
         register(strategy_registry)
 
 
-def register(strategy_registry: _StrategyRegistry) -> None:
+def register(strategy_registry: StrategyRegistryType) -> None:
     """Register ``"ddp_sync"`` and ``"ddp_sync_spawn"`` (idempotent)."""
     entries = (
         ("ddp_sync", "popen", "DDP with seed broadcast, exact gather support and clean teardown"),

@@ -5,12 +5,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${LSYNC_VENV:-.venv}
+# LSYNC_LIGHTNING=2.5.3: the same pins with another Lightning (CI's fast tier on the oldest supported one).
+LIGHTNING=${LSYNC_LIGHTNING:-}
+CONSTRAINTS=constraints.txt
+if [ -n "$LIGHTNING" ]; then
+  CONSTRAINTS=$(mktemp)
+  trap 'rm -f "$CONSTRAINTS"' EXIT
+  sed -E "s/^(lightning|pytorch-lightning)==.*/\1==$LIGHTNING/" constraints.txt >"$CONSTRAINTS"
+fi
 stamp="$VENV/.lsync-stamp"
-want=$(cat setup.cfg constraints.txt pyproject.toml | sha256sum | cut -c1-16)
+want=$(cat setup.cfg "$CONSTRAINTS" pyproject.toml | sha256sum | cut -c1-16)
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
 echo "bootstrap: creating $VENV (torch CPU build, lightning, torchmetrics, hydra) ..." >&2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test,recipes]"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" -e ".[test,recipes]"
 echo "$want" > "$stamp"

@@ -172,6 +172,48 @@ def test_global_batch_of_one_raises_on_every_rank(world: int) -> None:
         assert "rank 0 1, rank 1 0" in messages[0] and f"rank {world - 1} 1" in messages[1]
 
 
+def _bad_inputs(rank: int, world: int) -> dict[str, tuple[str, float]]:
+    """One rank (the last) feeds what torch's layer refuses, or a model built differently; every rank
+    must raise the same error at once (before: gloo SIGABRT on one rank, garbage statistics or a hang
+    on the others). Each case on fresh layers; the group stays usable after each."""
+    import time
+
+    from lightning_sync import convert_sync_batchnorm
+
+    bad = rank == world - 1
+    cases: dict[str, Any] = {
+        # first forward of the layer: the metadata exchange catches it
+        "channels_4_vs_8": lambda: SyncBatchNorm(4 if bad else 8)(torch.randn(3, 4 if bad else 8)),
+        "input_1d": lambda: SyncBatchNorm(C)(torch.randn(C) if bad else torch.randn(3, C)),
+        "input_channels": lambda: SyncBatchNorm(C)(torch.randn(3, C + 1) if bad else torch.randn(3, C)),
+        "dtype": lambda: SyncBatchNorm(C, dtype=torch.float64)(torch.randn(3, C, dtype=torch.float64 if bad else
+                                                                           torch.float32)),
+        "converted_2d_gets_2d": lambda: convert_sync_batchnorm(nn.BatchNorm2d(C))(
+            torch.randn(3, C) if bad else torch.randn(3, C, 2, 2)),
+        "int_input": lambda: SyncBatchNorm(C)(torch.ones(3, C, dtype=torch.int64) if bad else torch.randn(3, C)),
+    }
+    out: dict[str, tuple[str, float]] = {}
+    for name, call in cases.items():
+        start = time.monotonic()
+        try:
+            call()
+            msg = "no error"
+        except (ValueError, RuntimeError) as err:
+            msg = f"{type(err).__name__}: {err}"
+        out[name] = (msg, time.monotonic() - start)
+    # a later step of a layer already checked: the flag rides in the statistics exchange
+    layer = SyncBatchNorm(C)
+    layer(torch.randn(3, C)).sum().backward()
+    start = time.monotonic()
+    try:
+        layer(torch.randn(C) if bad else torch.randn(3, C))
+        out["later_step_1d"] = ("no error", 0.0)
+    except ValueError as err:
+        out["later_step_1d"] = (f"ValueError: {err}", time.monotonic() - start)
+    layer(torch.randn(2, C)).sum().backward()  # still usable
+    return out
+
+
 def _eval_only_on_rank_0(rank: int, world: int) -> bool:
     # Rank 0 runs eval forwards while the others run none; a collective inside would block until the
     # process group's timeout and fail the test instead of passing.
@@ -182,6 +224,43 @@ def _eval_only_on_rank_0(rank: int, world: int) -> bool:
                 layer(torch.randn(4, C, 2))
     dist.barrier()
     return True
+
+
+_BAD_INPUTS = {
+    "channels_4_vs_8": "SyncBatchNorm: num_features differs across ranks: rank 0 8, ",
+    "input_1d": "rank {bad}: expected at least 2D input (got 1D input)",
+    "input_channels": f"rank {{bad}}: expected input with {C} channels (dim 1) for this layer, got {C + 1} "
+                      f"(input shape (3, {C + 1}))",
+    "dtype": "SyncBatchNorm: input dtype differs across ranks: rank 0 float32, ",
+    "converted_2d_gets_2d": "rank {bad}: expected 4D input (got 2D input)",
+    "int_input": "rank {bad}: expected a floating point input, got torch.int64",
+    "later_step_1d": "rank {bad}: expected at least 2D input (got 1D input)",
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bad_input_on_one_rank_raises_on_every_rank(world: int) -> None:
+    bad = world - 1
+    for rank, res in enumerate(r["bad"] for r in _session(world)):
+        for case, words in _BAD_INPUTS.items():
+            msg, took = res[case]
+            assert words.format(bad=bad) in msg, (rank, case, msg)
+            assert msg.startswith("ValueError: SyncBatchNorm: bad input on rank" if "{bad}" in words
+                                  else "RankMismatchError: SyncBatchNorm: "), (rank, case, msg)
+            assert took < 30, (rank, case, took)
+        assert f"rank {bad} 4" in res["channels_4_vs_8"][0]
+
+
+def test_converted_layer_refuses_what_torch_refuses() -> None:
+    from lightning_sync import convert_sync_batchnorm
+
+    for torch_layer, bad_input in ((nn.BatchNorm2d(C), torch.randn(3, C)), (nn.BatchNorm1d(C), torch.randn(3, C, 2, 2)),
+                                   (nn.BatchNorm3d(C), torch.randn(3, C, 2))):
+        with pytest.raises(ValueError) as want:
+            torch_layer(bad_input)
+        with pytest.raises(ValueError) as got:
+            convert_sync_batchnorm(torch_layer)(bad_input)
+        assert str(got.value) == str(want.value)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -358,6 +437,7 @@ def _run_session(rank: int, world: int) -> dict[str, Any]:
         "cases": _all_cases(rank, world, SIZES[world], world == 2),
         "one_value": _one_value_per_channel(rank, world),
         "eval": _eval_only_on_rank_0(rank, world),
+        "bad": _bad_inputs(rank, world),
     }
     if world == 2:
         out["ddp"] = {variant: _train_ddp(rank, world, variant) for variant in DDP_VARIANTS}

@@ -42,6 +42,10 @@ def test_bad_arguments_raise_early() -> None:
         C.broadcast_seed(2**40)
     with pytest.raises(ValueError, match="0-d"):
         C.all_gather_uneven(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="0-d"):
+        C.gather_uneven(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="tensor must be a torch.Tensor; got float 2.5"):
+        C.all_reduce(2.5)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- happy paths
@@ -80,6 +84,8 @@ def _all_cases(rank: int, world: int) -> dict[str, object]:
     out["bcast"] = C.broadcast_object({"rank": rank, "s": "x" * (10 * rank)} if rank == 1 else None, src=1)
     out["gather_all"] = C.gather_objects(("r", rank, "y" * rank))
     out["gather_dst"] = C.gather_objects([rank] * rank, dst=world - 1)
+    out["gather_safe"] = C.gather_objects({"r": rank, "t": torch.full((rank,), 1.0)}, safe=True)
+    out["bcast_safe"] = C.broadcast_object(("plain", [rank]), src=world - 1, safe=True)
     out["seed_given"] = C.broadcast_seed(1000 + rank)  # only rank 0's counts
     out["seed_fresh"] = C.broadcast_seed(None)
     return out
@@ -125,6 +131,9 @@ def test_collectives_match_one_process(world: int) -> None:
         assert res["bcast"] == {"rank": 1, "s": "x" * 10}
         assert res["gather_all"] == [("r", r, "y" * r) for r in range(world)]
         assert res["seed_given"] == 1000
+        assert [g["r"] for g in res["gather_safe"]] == list(range(world))
+        assert [g["t"].numel() for g in res["gather_safe"]] == list(range(world))
+        assert res["bcast_safe"] == ("plain", [world - 1])
     assert results[-1]["gather_dst"] == [[r] * r for r in range(world)]
     assert all(res["gather_dst"] is None for res in results[:-1])
     assert len({res["seed_fresh"] for res in results}) == 1
@@ -133,65 +142,173 @@ def test_collectives_match_one_process(world: int) -> None:
 # ---------------------------------------------------------------- mismatches raise on every rank
 
 
-def _mismatch(rank: int, world: int, case: str) -> str:
-    try:
-        if case == "trailing":
-            C.all_gather_uneven(torch.zeros(32, 10) if rank == 0 else torch.zeros(32))
-        elif case == "dtype":
-            C.all_gather_uneven(torch.zeros(3, dtype=torch.float32 if rank == 0 else torch.int64))
-        elif case == "swapped":  # (2,3) vs (3,2): same numel, silent garbage in plain gloo
-            C.all_gather_uneven(torch.zeros(2, 3) if rank == 0 else torch.zeros(3, 2))
-        elif case == "reduce_shape":
-            C.all_reduce(torch.zeros(3 + rank))
-        elif case == "reduce_op":
-            C.all_reduce(torch.zeros(3), op="sum" if rank == 0 else "max")
-        elif case == "other_call":
-            if rank == 0:
-                C.all_reduce(torch.zeros(3))
-            else:
-                C.all_gather_uneven(torch.zeros(3))
-        elif case == "src":
-            C.broadcast_object("x", src=rank)
-        elif case == "dst":
-            C.gather_objects("x", dst=0 if rank == 0 else None)
-        elif case == "dict_keys":
-            C.all_gather_uneven_dict({"a": torch.zeros(2), "b": torch.zeros(2)} if rank == 0 else {"a": torch.zeros(1)})
-        elif case == "dict_dtype":
-            C.all_gather_uneven_dict({"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.int64 if rank else torch.int32)})
-        elif case == "dict_rows":
-            C.all_gather_uneven_dict({"a": torch.zeros(2), "b": torch.zeros(3 if rank else 2)})
-        elif case == "seed_range":
-            C.broadcast_seed(-5 if rank == 0 else 3)
-    except ls.LightningSyncError as err:
-        return f"{type(err).__name__}: {err}"
-    except ValueError as err:
-        return f"ValueError: {err}"
-    return "no error"
+_MISMATCHES = {
+    "trailing": "RankMismatchError: all_gather_uneven: trailing shape differs across ranks: "
+                "rank 0 (32, 10) float32 on cpu, rank 1 (32,) float32 on cpu",
+    "dtype": "RankMismatchError: all_gather_uneven: dtype differs across ranks: rank 0 float32, rank 1 int64",
+    "swapped": "rank 0 (2, 3) float32 on cpu, rank 1 (3, 2) float32 on cpu",
+    "reduce_shape": "RankMismatchError: all_reduce: tensor differs across ranks: rank 0 (3,) float32 on cpu, "
+                    "rank 1 (4,) float32 on cpu",
+    "reduce_op": "all_reduce: op differs across ranks: rank 0 sum, rank 1 max",
+    "other_call": "ranks entered different collectives: rank 0 all_reduce, rank 1 all_gather_uneven",
+    "src": "broadcast_object: src differs across ranks: rank 0 0, rank 1 1",
+    "dst": "gather_objects: dst differs across ranks: rank 0 0, rank 1 None",
+    "gather_dst": "gather_uneven: dst differs across ranks: rank 0 0, rank 1 1",
+    "dict_keys": "RankMismatchError: all_gather_uneven_dict: keys differ across ranks: rank 0 ['a', 'b'], rank 1 ['a']",
+    "dict_dtype": "all_gather_uneven_dict: dtype for key 'b' differs across ranks: rank 0 int32, rank 1 int64",
+    "dict_rows": "ValueError: all_gather_uneven_dict: bad argument on rank 1 of 2 (every rank raises this error): "
+                 "rank 1: tensors of one rank must have the same number of rows; got {'a': 2, 'b': 3}",
+    "seed_range": "ValueError: broadcast_seed: bad argument on rank 0 of 2 (every rank raises this error): "
+                  "rank 0: seed must be in [0, 4294967295]; got -5.",
+}
 
 
-@pytest.mark.parametrize(
-    ("case", "expected"),
-    [
-        ("trailing", "RankMismatchError: all_gather_uneven: trailing shape differs across ranks: "
-                     "rank 0 (32, 10) float32 on cpu, rank 1 (32,) float32 on cpu"),
-        ("dtype", "RankMismatchError: all_gather_uneven: dtype differs across ranks: rank 0 float32, rank 1 int64"),
-        ("swapped", "rank 0 (2, 3) float32 on cpu, rank 1 (3, 2) float32 on cpu"),
-        ("reduce_shape", "RankMismatchError: all_reduce: tensor differs across ranks: rank 0 (3,) float32 on cpu, "
-                         "rank 1 (4,) float32 on cpu"),
-        ("reduce_op", "all_reduce: op differs across ranks: rank 0 sum, rank 1 max"),
-        ("other_call", "ranks entered different collectives: "
-                       "rank 0 all_reduce, rank 1 all_gather_uneven"),
-        ("src", "broadcast_object: src differs across ranks: rank 0 0, rank 1 1"),
-        ("dst", "gather_objects: dst differs across ranks: rank 0 0, rank 1 None"),
-        ("dict_keys", "RankMismatchError: all_gather_uneven_dict: keys differ across ranks: rank 0 ['a', 'b'], "
-                      "rank 1 ['a']"),
-        ("dict_dtype", "all_gather_uneven_dict: dtype for key 'b' differs across ranks: rank 0 int32, rank 1 int64"),
-        ("dict_rows", "ValueError: all_gather_uneven_dict: rank 1: tensors of one rank must have the same number of "
-                      "rows; got {'a': 2, 'b': 3}"),
-        ("seed_range", "ValueError: broadcast_seed: rank 0's seed is outside [0, 4294967295]"),
-    ],
-)
-def test_mismatch_raises_on_every_rank(case: str, expected: str) -> None:
-    messages = run_ranks(_mismatch, world_size=2, args=(case,), timeout=45, pg_timeout=20)
-    for msg in messages:
-        assert expected in msg, msg
+def _mismatch(rank: int, world: int, case: str) -> None:
+    if case == "trailing":
+        C.all_gather_uneven(torch.zeros(32, 10) if rank == 0 else torch.zeros(32))
+    elif case == "dtype":
+        C.all_gather_uneven(torch.zeros(3, dtype=torch.float32 if rank == 0 else torch.int64))
+    elif case == "swapped":  # (2,3) vs (3,2): same numel, silent garbage in plain gloo
+        C.all_gather_uneven(torch.zeros(2, 3) if rank == 0 else torch.zeros(3, 2))
+    elif case == "reduce_shape":
+        C.all_reduce(torch.zeros(3 + rank))
+    elif case == "reduce_op":
+        C.all_reduce(torch.zeros(3), op="sum" if rank == 0 else "max")
+    elif case == "other_call":
+        if rank == 0:
+            C.all_reduce(torch.zeros(3))
+        else:
+            C.all_gather_uneven(torch.zeros(3))
+    elif case == "src":
+        C.broadcast_object("x", src=rank)
+    elif case == "dst":
+        C.gather_objects("x", dst=0 if rank == 0 else None)
+    elif case == "gather_dst":
+        C.gather_uneven(torch.zeros(2), dst=rank)
+    elif case == "dict_keys":
+        C.all_gather_uneven_dict({"a": torch.zeros(2), "b": torch.zeros(2)} if rank == 0 else {"a": torch.zeros(1)})
+    elif case == "dict_dtype":
+        C.all_gather_uneven_dict({"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.int64 if rank else torch.int32)})
+    elif case == "dict_rows":
+        C.all_gather_uneven_dict({"a": torch.zeros(2), "b": torch.zeros(3 if rank else 2)})
+    elif case == "seed_range":
+        C.broadcast_seed(-5 if rank == 0 else 3)
+
+
+def _unpicklable() -> object:
+    import threading
+
+    return threading.Lock()
+
+
+class _Custom:
+    """Picklable, but not plain data: refused with safe=True."""
+
+
+def _bad_argument(rank: int, world: int, case: str, bad: int) -> None:
+    """One rank (``bad``) passes a bad argument; the others pass good ones."""
+    me = rank == bad
+    if case == "gather_unpicklable":
+        C.gather_objects(_unpicklable() if me else "fine")
+    elif case == "gather_unsafe":
+        C.gather_objects(_Custom() if me else {"plain": [1, 2.0, "x", torch.ones(2)]}, safe=True)
+    elif case == "broadcast_unpicklable":  # on src
+        C.broadcast_object(_unpicklable() if me else None, src=bad)
+    elif case == "seed_float_src":
+        C.broadcast_seed(1.5 if me else 7, src=bad)  # type: ignore[arg-type]
+    elif case == "seed_float_other":
+        C.broadcast_seed(2.5 if me else 7, src=(bad + 1) % world)  # type: ignore[arg-type]
+    elif case == "reduce_op":
+        C.all_reduce(torch.ones(2), op="bogus" if me else "sum")  # type: ignore[arg-type]
+    elif case == "reduce_float":
+        C.all_reduce(2.5 if me else torch.ones(1))  # type: ignore[arg-type]
+    elif case == "reduce_bool_sum":
+        C.all_reduce(torch.ones(1, dtype=torch.bool) if me else torch.ones(1))
+    elif case == "gather_0d":
+        C.gather_uneven(torch.tensor(3.0) if me else torch.ones(2))
+    elif case == "all_gather_0d":
+        C.all_gather_uneven(torch.tensor(3.0) if me else torch.ones(2))
+    elif case == "gather_not_tensor":
+        C.all_gather_uneven([1.0, 2.0] if me else torch.ones(2))  # type: ignore[arg-type]
+    elif case == "dst_not_int":
+        C.gather_objects("x", dst="0" if me else 0)  # type: ignore[arg-type]
+
+
+_BAD_ARGUMENTS = {  # case: (exception, the words every rank's message must hold besides "rank <bad>")
+    "gather_unpicklable": ("TypeError", "gather_objects: bad argument on rank {bad} of {world} (every rank raises "
+                                        "this error): rank {bad}: cannot pickle lock <unlocked _thread.lock object"),
+    "gather_unsafe": ("TypeError", "gather_objects: bad argument on rank {bad} of {world} (every rank raises this "
+                                   "error): rank {bad}: safe=True accepts plain data only"),
+    "broadcast_unpicklable": ("TypeError", "broadcast_object: bad argument on rank {bad} of {world} (every rank "
+                                           "raises this error): rank {bad}: cannot pickle lock"),
+    "seed_float_src": ("TypeError", "broadcast_seed: bad argument on rank {bad} of {world} (every rank raises this "
+                                    "error): rank {bad}: seed must be an int or None; got float 1.5."),
+    "seed_float_other": ("TypeError", "rank {bad}: seed must be an int or None; got float 2.5."),
+    "reduce_op": ("ValueError", "all_reduce: bad argument on rank {bad} of {world} (every rank raises this error): "
+                                "rank {bad}: op must be one of sum, mean, max, min, prod; got 'bogus'."),
+    "reduce_float": ("TypeError", "rank {bad}: tensor must be a torch.Tensor; got float 2.5."),
+    "reduce_bool_sum": ("TypeError", "rank {bad}: op='sum' is not defined for bool tensors"),
+    "gather_0d": ("ValueError", "gather_uneven: bad argument on rank {bad} of {world} (every rank raises this "
+                                "error): rank {bad}: needs a tensor with a row dimension; got a 0-d tensor (3.0)."),
+    "all_gather_0d": ("ValueError", "all_gather_uneven: bad argument on rank {bad}"),
+    "gather_not_tensor": ("TypeError", "rank {bad}: needs a torch.Tensor with a row dimension; got list [1.0, 2.0]."),
+    "dst_not_int": ("TypeError", "rank {bad}: dst must be an int or None (a global rank); got str '0'."),
+}
+
+
+def _run_cases(rank: int, world: int, bad: int) -> dict[str, tuple[str, float]]:
+    """Every case in turn on one group (each raises on every rank after the same collectives, so the
+    group stays usable); returns each case's error and how long it took."""
+    import time
+
+    out: dict[str, tuple[str, float]] = {}
+    cases: list[tuple[str, object]] = [(c, lambda c=c: _bad_argument(rank, world, c, bad)) for c in _BAD_ARGUMENTS]
+    if world == 2:
+        cases += [(f"mismatch_{c}", lambda c=c: _mismatch(rank, world, c)) for c in _MISMATCHES]
+    for name, call in cases:
+        start = time.monotonic()
+        try:
+            call()  # type: ignore[operator]
+            msg = "no error"
+        except (ls.LightningSyncError, TypeError, ValueError) as err:
+            msg = f"{type(err).__name__}: {err}"
+        out[name] = (msg, time.monotonic() - start)
+    # the group still works, and a non-src rank's unpicklable object is ignored as documented
+    out["after"] = (str(C.all_reduce(torch.ones(1))[0].item()), 0.0)
+    out["ignored"] = (str(C.broadcast_object(_unpicklable() if rank else "from 0", src=0)), 0.0)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("world", "bad"), [(2, 1), (3, 2)])
+def test_bad_argument_on_one_rank_raises_on_every_rank(world: int, bad: int) -> None:
+    results = run_ranks(_run_cases, world_size=world, args=(bad,), timeout=100, pg_timeout=60)
+    for rank, res in enumerate(results):
+        for case, (kind, words) in _BAD_ARGUMENTS.items():
+            msg, took = res[case]
+            assert msg.startswith(f"{kind}: "), (rank, case, msg)
+            assert words.format(bad=bad, world=world) in msg, (rank, case, msg)
+            assert took < 10, (rank, case, took)
+        for case, words in (_MISMATCHES.items() if world == 2 else ()):
+            msg, took = res[f"mismatch_{case}"]
+            assert words in msg, (rank, case, msg)
+            assert took < 10, (rank, case, took)
+        assert res["after"][0] == f"{float(world)}"
+        assert res["ignored"][0] == "from 0"
+
+
+def test_safe_unpickler_refuses_code() -> None:
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            import os
+
+            return (os.system, ("echo pwned",))
+
+    import pickle
+
+    evil = torch.frombuffer(bytearray(pickle.dumps(Evil())), dtype=torch.uint8)
+    with pytest.raises(pickle.UnpicklingError):
+        C._from_bytes(evil, safe=True)
+    plain = {"a": [1, 2.5, "x", (None, True)], "t": torch.arange(3)}
+    back = C._from_bytes(C._to_bytes(plain, safe=True), safe=True)
+    assert back["a"] == plain["a"] and torch.equal(back["t"], plain["t"])

@@ -209,3 +209,33 @@ def test_doctor_imports_only_torch_and_stdlib() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module.split(".")[0])
     assert imported - set(sys.stdlib_module_names) <= {"torch", "lightning_sync"}, imported
+
+
+# --------------------------------------------------------------------------------------------------
+# exposure and fail-fast (issue 17)
+
+
+def test_public_master_addr_and_public_interfaces_are_warned() -> None:
+    # only addresses are looked at: nothing is sent to 8.8.8.8 (the route lookup is a UDP connect, no packet)
+    env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+           "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "8.8.8.8", "MASTER_PORT": "29500"}
+    report = check_rank(detect_launch(env, devices=2, num_nodes=1), 2, 1, "gloo", "cpu")
+    warned = [n for n in report.notes if n.startswith("security: MASTER_ADDR=8.8.8.8 is a public address")]
+    assert warned and "docs/security.md" in warned[0], report.notes
+    notes = doctor.security_notes("127.0.0.1", ["127.0.0.1"], {"lo": "127.0.0.1", "eth0": "8.8.4.4"}, 29500)
+    assert len(notes) == 1 and "eth0 8.8.4.4" in notes[0] and "*:29500" in notes[0]
+    for private in ("127.0.0.1", "10.1.2.3", "172.16.0.9", "192.168.1.1", "100.64.0.1", "fd00::1", "169.254.0.5"):
+        assert doctor.security_notes(private, [private], {"lo": "127.0.0.1", "eth0": private}, 1) == [], private
+
+
+@pytest.mark.slow
+def test_unresolvable_master_addr_fails_fast_with_the_right_hint() -> None:
+    import time
+
+    start = time.monotonic()
+    out = _run([*DOCTOR, "--devices", "2"], timeout=60, MASTER_ADDR="no-such-host.invalid")
+    took = time.monotonic() - start
+    assert out.returncode != 0, out.stdout
+    assert "MASTER_ADDR='no-such-host.invalid' does not resolve" in out.stdout, out.stdout
+    assert "pick another free port" not in out.stdout and "frame #" not in out.stdout, out.stdout
+    assert took < 30, (took, out.stdout)  # was 51 s

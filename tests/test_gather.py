@@ -308,6 +308,8 @@ def test_lightning_ddp_on_three_ranks(tmp_path: Path) -> None:
         check_gathered(rep["test"]["gathered"]["1"], list(range(5)), w, 5)
         acc, auroc = exact_metrics(w, 1001)
         assert rep["validate"]["callback_metrics"]["val_auroc/dataloader_idx_0"] == pytest.approx(auroc, abs=1e-5)
+        assert rep["validate"]["metric_samples"]["val_auroc/dataloader_idx_0"] == 1001
+        assert rep["validate"]["metric_samples"]["val_acc/dataloader_idx_1"] == len(kept)
 
 
 @pytest.mark.slow
@@ -318,3 +320,28 @@ def test_mismatched_outputs_raise_on_every_rank(tmp_path: Path) -> None:
     for rep in reports(tmp_path, "mismatch", 2):
         assert rep["error"] is not None and "rank 0 {preds: () float32" in rep["error"] and "extra: () float32" in rep["error"]
         assert rep["seconds"] < 30
+
+
+@pytest.mark.slow
+def test_bad_step_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    """A bad first batch on rank 1 was dropped with its rows (rank 0's half logged as the metric);
+    a step returning a float gathered nothing. Now: the same error on every rank, no metric."""
+    start = time.monotonic()
+    launch(tmp_path, "--phase", "badrank", timeout=240)
+    print(f"launch took {time.monotonic() - start:.1f} s")
+    expected = {
+        "rows_first_batch": "rank 1: dataloader 0, batch 0: key 'preds' has shape (4,) but the batch has 5 samples",
+        "rows_second_batch": "rank 1: dataloader 0, batch 1: key 'preds' has shape (4,) but the batch has 5 samples",
+        "float_first_batch": "rank 1: dataloader 0, batch 0: the step returned the scalar float 0.5, not one row per "
+                             "sample",
+        "float_every_rank": "bad outputs on 2 of 2 ranks: rank 0: dataloader 0, batch 0: the step returned the scalar "
+                            "float",
+        "scalar_tensor": "rank 1: dataloader 0, batch 0: the step returned the scalar Tensor",
+    }
+    for rank, rep in enumerate(reports(tmp_path, "badrank", 2)):
+        for case, words in expected.items():
+            error = rep[case]["error"]
+            assert error is not None and error.startswith("ValueError: ValidationGather (validate, dataloader 0): "), \
+                (rank, case, rep[case])
+            assert words in error, (rank, case, error)
+            assert rep[case]["seconds"] < 60, (rank, case, rep[case])

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -179,8 +180,17 @@ def test_nccl_flight_recorder_env_keeps_user_values() -> None:
     env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}
     done = configure_nccl_flight_recorder(env, directory="/tmp/x")
     assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/x/lightning_sync_nccl_trace_rank_"}
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/x/nccl_trace_rank_"}
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in done
+    # by default a private directory of its own, not a predictable name in a shared /tmp
+    env: dict[str, str] = {}
+    configure_nccl_flight_recorder(env)
+    directory = os.path.dirname(env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"])
+    try:
+        assert os.path.basename(directory).startswith("lightning_sync_nccl_") and directory != tempfile.gettempdir()
+        assert os.stat(directory).st_mode & 0o777 == 0o700
+    finally:
+        os.rmdir(directory)
 
 
 def test_strategy_sets_flight_recorder_env_before_nccl_init(monkeypatch: pytest.MonkeyPatch) -> None:

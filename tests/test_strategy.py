@@ -68,7 +68,7 @@ def test_ranks_with_different_local_seeds_agree(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_plain_ddp_with_different_local_seeds_overlaps(tmp_path: Path) -> None:
-    """The failure ddp_sync exists to prevent (FINDINGS.md): shards overlap under Lightning's ddp."""
+    """The failure ddp_sync exists to prevent (docs/strategy.md): shards overlap under Lightning's ddp."""
     r0, r1 = fit(tmp_path, "--local-seed-per-rank", "--strategy", "ddp", "--epochs", "1")
     assert set(r0["seen"]) & set(r1["seen"])
 

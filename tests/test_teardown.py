@@ -1,4 +1,4 @@
-"""ddp_sync exits cleanly: the gloo teardown crash of Lightning's ddp (FINDINGS.md) does not happen."""
+"""ddp_sync exits cleanly: the gloo teardown crash of Lightning's ddp (docs/strategy.md) does not happen."""
 
 from __future__ import annotations
 

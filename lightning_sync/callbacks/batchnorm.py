@@ -22,8 +22,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_sync._compat.lightning_api import layer_sync as strategy_layer_sync
+from lightning_sync._compat.torch_api import BatchNormBase
 from lightning_sync.batchnorm import (
     EXCLUDE_ATTR,
     SyncBatchNorm,
@@ -79,7 +80,7 @@ def portable_layer_sync(layer_sync: LayerSync | None) -> LayerSync | None:
     """Replace Lightning's ``TorchSyncBatchNorm`` (what ``sync_batchnorm=True`` builds) by
     :class:`PortableSyncBatchNorm`; return anything else unchanged.
 
-    For strategies: ``self._layer_sync = portable_layer_sync(self._layer_sync)`` at the top of
+    For strategies: apply it to the strategy's layer-sync plugin at the top of
     ``setup``, before Lightning applies it.
     """
     if type(layer_sync) is TorchSyncBatchNorm:  # exact type: a user's own subclass is their choice
@@ -90,7 +91,7 @@ def portable_layer_sync(layer_sync: LayerSync | None) -> LayerSync | None:
 def _unsynchronised(model: nn.Module, exclude: tuple[str, ...]) -> list[str]:
     """Plain BatchNorm layers that conversion should have caught (not frozen, excluded or marked)."""
     return [name for name, m in model.named_modules()
-            if isinstance(m, _BatchNorm) and not isinstance(m, SyncBatchNorm) and not _is_frozen(m)
+            if isinstance(m, BatchNormBase) and not isinstance(m, SyncBatchNorm) and not _is_frozen(m)
             and getattr(m, EXCLUDE_ATTR, True) is not False and not _excluded(name, exclude)]
 
 
@@ -115,13 +116,13 @@ class SyncBatchNormConversion(Callback):
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, exclude: Iterable[str] = ()) -> None:
-        self._layer_sync = PortableSyncBatchNorm(process_group, exclude)
+        self._plugin = PortableSyncBatchNorm(process_group, exclude)
         self._converted = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        layer_sync = getattr(trainer.strategy, "_layer_sync", None)
+        layer_sync = strategy_layer_sync(trainer.strategy)
         if layer_sync is not None:
             raise MisconfigurationException(
                 f"SyncBatchNormConversion: the strategy already synchronises layers with "
@@ -133,13 +134,13 @@ class SyncBatchNormConversion(Callback):
             rank_zero_info("SyncBatchNormConversion: a single process, nothing to synchronise; BatchNorm layers left "
                            "as they are.")
             return
-        self._layer_sync.apply(pl_module)  # in place: a LightningModule is never itself a BatchNorm layer
+        self._plugin.apply(pl_module)  # in place: a LightningModule is never itself a BatchNorm layer
         self._converted = True
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._converted:
             return
-        missed = _unsynchronised(pl_module, self._layer_sync.exclude)
+        missed = _unsynchronised(pl_module, self._plugin.exclude)
         if missed:
             rank_zero_warn(
                 f"SyncBatchNormConversion: {len(missed)} BatchNorm layer(s) appeared after the callback's `setup` and "
@@ -149,5 +150,5 @@ class SyncBatchNormConversion(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self._converted:
-            self._layer_sync.revert(pl_module)
+            self._plugin.revert(pl_module)
             self._converted = False

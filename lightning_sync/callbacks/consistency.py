@@ -18,6 +18,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DistributedSampler
 
 from lightning_sync import collectives
+from lightning_sync._compat import lightning_api as _compat
+from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, ddp_ignored_names
 from lightning_sync.errors import ParameterDivergenceError, RankMismatchError, format_ranks
 from lightning_sync.guard import parameter_checksums
 
@@ -32,7 +34,7 @@ def _ddp_synced_buffers(module: torch.nn.Module) -> set[str]:
     """Buffers DDP overwrites with rank 0's before every forward: they may differ in between."""
     if not isinstance(module, torch.nn.parallel.DistributedDataParallel) or not module.broadcast_buffers:
         return set()
-    ignored = set(getattr(module.module, "_ddp_params_and_buffers_to_ignore", ()))
+    ignored = ddp_ignored_names(module.module)
     return {name for name, _ in module.module.named_buffers() if name not in ignored}
 
 
@@ -60,7 +62,7 @@ def check_replicas(module: torch.nn.Module, buffers: bool = True, optimizer: tor
                 if isinstance(value, torch.Tensor) and value.numel() > 1:
                     flat = value.detach().reshape(-1).double()
                     named.append((f"optimizer.state[{i}].{key}", float(flat.sum())))
-    gathered = collectives.gather_objects([(name, value) for name, value in named])
+    gathered = collectives.gather_objects([(name, value) for name, value in named], safe=True)
     assert gathered is not None
     names = [[n for n, _ in rank_items] for rank_items in gathered]
     if any(n != names[0] for n in names):
@@ -70,8 +72,8 @@ def check_replicas(module: torch.nn.Module, buffers: bool = True, optimizer: tor
     for i, name in enumerate(names[0]):
         values = {r: items[i][1] for r, items in enumerate(gathered)}
         if len(set(values.values())) > 1 and not all(math.isnan(v) for v in values.values()):
-            ignored = set(getattr(_unwrap(module), "_ddp_params_and_buffers_to_ignore", ()))
-            hint = ("it is listed in _ddp_params_and_buffers_to_ignore, so DDP never syncs it: synchronise it by "
+            ignored = ddp_ignored_names(_unwrap(module))
+            hint = (f"it is listed in {DDP_IGNORE_ATTR}, so DDP never syncs it: synchronise it by "
                     "hand or stop excluding it" if name in ignored else
                     "a buffer is updated on some ranks only, or DDP runs with broadcast_buffers=False" if
                     name in dict(_unwrap(module).named_buffers()) else
@@ -99,7 +101,7 @@ def warn_if_initial_parameters_differ(module: torch.nn.Module) -> bool:
         return False
     mine = [value for _, value in parameter_checksums(_unwrap(module), buffers=False)]
     total = math.fsum(abs(v) for v in mine)
-    gathered = collectives.gather_objects((total, mine))
+    gathered = collectives.gather_objects((total, mine), safe=True)
     assert gathered is not None
     if all(g[1] == gathered[0][1] for g in gathered):
         return False
@@ -115,8 +117,18 @@ def warn_if_initial_parameters_differ(module: torch.nn.Module) -> bool:
 
 
 def _loaders(trainer: pl.Trainer) -> list[Any]:
-    combined = getattr(trainer.fit_loop, "_combined_loader", None)
-    return list(combined.flattened) if combined is not None else []
+    """The processed training loaders (``trainer.train_dataloader``: one, a list or a dict of them)."""
+    found: list[Any] = []
+    pending: list[Any] = [trainer.train_dataloader]
+    while pending:
+        item = pending.pop(0)
+        if isinstance(item, dict):
+            pending[:0] = list(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending[:0] = list(item)
+        elif item is not None:
+            found.append(item)
+    return found
 
 
 class GuardChecks(pl.Callback):
@@ -160,19 +172,20 @@ class GuardChecks(pl.Callback):
         if trainer.world_size < 2:
             return
         mine = trainer.num_training_batches
-        counts = collectives.gather_objects(mine)
+        counts = collectives.gather_objects(mine, safe=True)
         assert counts is not None
         if len(set(counts)) == 1:
             return
         shown = {r: c for r, c in enumerate(counts)}
         if self.uneven_batches == "stop_together" and all(math.isfinite(c) for c in counts):
-            trainer.fit_loop.max_batches = int(min(counts))  # the epoch loop stops when it reaches this
             interval = trainer.val_check_interval
+            val_check_batch = None
             if isinstance(interval, float) and trainer.val_check_batch not in (None, float("inf")):
                 # Validation runs on "the last batch" (or a fraction of the epoch): a cut-short rank must
                 # validate exactly when the naturally shortest one does, or DDP's buffer broadcast in the
                 # validation forward of one rank waits for the other.
-                trainer.val_check_batch = max(1, int(min(counts) * interval))
+                val_check_batch = max(1, int(min(counts) * interval))
+            _compat.stop_epoch_after(trainer, int(min(counts)), val_check_batch)
             rank_zero_info(f"ddp_sync: ranks have different numbers of training batches ({format_ranks(shown)}); "
                            f"every rank stops after {int(min(counts))} this epoch (uneven_batches='stop_together').")
             return
@@ -188,9 +201,8 @@ class GuardChecks(pl.Callback):
     def _compare_keys(self, trainer: pl.Trainer, stage: str) -> None:
         if trainer.world_size < 2 or trainer.sanity_checking:
             return
-        results = trainer._results
-        keys = sorted(results.keys()) if results is not None else []
-        gathered = collectives.gather_objects(keys)
+        keys = _compat.logged_keys(trainer)
+        gathered = collectives.gather_objects(keys, safe=True)
         assert gathered is not None
         if all(k == gathered[0] for k in gathered):
             return
@@ -219,7 +231,7 @@ class ParameterConsistencyCheck(pl.Callback):
     Every ``every_n_steps`` optimizer steps (and at the end of training) every rank computes one
     float64 checksum per parameter and buffer (optionally per optimizer-state tensor) and the ranks
     compare them with one small gather. Catches a buffer updated on some ranks only, a parameter
-    excluded from DDP (``_ddp_params_and_buffers_to_ignore``) or updated outside the optimizer, and
+    excluded from DDP (listed in the module's DDP ignore list) or updated outside the optimizer, and
     optimizer state that differs. Buffers DDP re-broadcasts before every forward are skipped.
 
     Works with any DDP strategy. All ranks must run it (add it to the Trainer on every rank).

@@ -239,7 +239,10 @@ class ValidationGather(pl.Callback):
     What ``*_step`` may return: a dict whose values are tensors with the batch dimension first,
     lists/tuples with one Python object per sample (strings, ids, ragged tensors), or 0-d
     tensors/Python numbers (skipped with a warning: they are not per sample); a single tensor; or
-    ``None`` (only indices are gathered). Ragged per-sample tensors: pad them to one length and
+    ``None`` (only indices are gathered). A step returning a bare number or 0-d tensor (no row per
+    sample) is an error. Any bad output, on any rank and at any batch, is raised at epoch end on
+    every rank (``ValueError`` naming the rank, dataloader and batch), and no metric is computed or
+    logged from the incomplete set. Ragged per-sample tensors: pad them to one length and
     return the lengths too, or return them as a list. For an ``IterableDataset`` (no dataset
     indices) return the indices yourself under ``"index"``; a returned ``"index"`` always wins.
 
@@ -280,6 +283,7 @@ class ValidationGather(pl.Callback):
         gathered: ``{dataloader_idx: outputs}`` of the most recent epoch of any gathered stage.
         results: ``{stage: {dataloader_idx: outputs}}``, the most recent epoch of each stage.
         metrics: ``{logged name: value}`` of the most recent epoch of each stage.
+        metric_samples: ``{logged name: N}``, the number of distinct samples each value was computed on.
     """
 
     def __init__(self, keys: Sequence[str] | None = None, *, metrics: Mapping[str, Any] | None = None,
@@ -307,6 +311,7 @@ class ValidationGather(pl.Callback):
         self.gathered: dict[int, dict[str, Any]] = {}
         self.results: dict[str, dict[int, dict[str, Any]]] = {}
         self.metrics: dict[str, Any] = {}
+        self.metric_samples: dict[str, int] = {}
         self._recorder = _Recorder()
         self._collectors: dict[int, RowCollector] = {}
         self._warned: set[str] = set()
@@ -354,8 +359,14 @@ class ValidationGather(pl.Callback):
                batch_idx: int) -> tuple[Any, dict[str, Tensor], dict[str, list[Any]]]:
         if outputs is None:
             outputs = {}
-        elif isinstance(outputs, Tensor):
+        elif isinstance(outputs, Tensor) and outputs.ndim > 0:
             outputs = {OUTPUT_KEY: outputs}
+        elif isinstance(outputs, (Tensor, int, float, complex)):  # a 0-d tensor or a number
+            shown = outputs.item() if isinstance(outputs, Tensor) else outputs
+            raise TypeError(f"the step returned the scalar {type(outputs).__name__} {shown!r}, not one row per sample; "
+                            "return a dict of per-sample values (e.g. {'loss': F.cross_entropy(logits, y, "
+                            "reduction='none'), 'preds': logits.argmax(1)}), a tensor with the batch dimension first, "
+                            "or None.")
         elif not isinstance(outputs, Mapping):
             raise TypeError(f"the step returned {type(outputs).__name__}; ValidationGather needs a dict of "
                             "per-sample tensors/lists, a single tensor, or None.")
@@ -404,7 +415,11 @@ class ValidationGather(pl.Callback):
         results: dict[int, dict[str, Any]] = {}
         # every rank walks every dataloader in the same order, even one it ran no batch of
         for dataloader_idx in range(count):
-            collector = self._collectors.pop(dataloader_idx, None) or RowCollector(self.offload_to_cpu)
+            # `is None`, not `or`: a collector holding an error but no rows has len 0 (falsy), and
+            # replacing it would drop the error and gather the other ranks' rows as if complete
+            collector = self._collectors.pop(dataloader_idx, None)
+            if collector is None:
+                collector = RowCollector(self.offload_to_cpu)
             out = collector.gather(dst=dst, what=f"ValidationGather ({stage}, dataloader {dataloader_idx})")
             if out is not None:
                 results[dataloader_idx] = out
@@ -440,12 +455,16 @@ class ValidationGather(pl.Callback):
             except Exception as err:  # noqa: BLE001 - re-raised on every rank below
                 error = f"{type(err).__name__}: {err}"
         scalars = {k: float(v) for k, v in local.items() if _is_scalar(v)}
-        shared = collectives.broadcast_object({"scalars": scalars, "error": error} if out is not None else None, src=0)
+        samples = len(out[INDEX_KEY]) if out is not None else 0
+        # plain data only (safe=True): rank 0's bytes cannot run code on the other ranks
+        shared = collectives.broadcast_object({"scalars": scalars, "error": error, "samples": samples}
+                                              if out is not None else None, src=0, safe=True)
         if shared["error"] is not None:
             raise RuntimeError(f"ValidationGather: a metric failed on rank 0 ({stage}, dataloader {dataloader_idx}): "
                                f"{shared['error']}")
         self.metrics.update(local)
         self.metrics.update(shared["scalars"])
+        self.metric_samples.update({name: int(shared["samples"]) for name in [*local, *shared["scalars"]]})
         return dict(shared["scalars"])
 
     def _apply(self, fn: Any, out: dict[str, Any]) -> Any:

@@ -56,11 +56,12 @@ def tokens(i: int) -> torch.Tensor:
 
 
 class Model(L.LightningModule):
-    def __init__(self, mismatch: bool = False) -> None:
+    def __init__(self, mismatch: bool = False, bad: str = "") -> None:
         super().__init__()
         torch.manual_seed(0)  # identical on every rank without any broadcast (validate/test skip the DDP wrap)
         self.net = nn.Linear(DIM, 1)
         self.mismatch = mismatch
+        self.bad = bad  # a BAD_STEPS scenario
         self.allow_zero_length_dataloader_with_multiple_devices = True
         self.hook_calls: list[tuple[str, int, int]] = []
         self.weights_at_validation: list[float] = []
@@ -86,7 +87,9 @@ class Model(L.LightningModule):
             out["extra"] = prob
         return out
 
-    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        if self.bad:
+            return bad_step(self, self._eval_step(batch, "val"), batch_idx)
         return self._eval_step(batch, "val")
 
     def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
@@ -151,6 +154,25 @@ def encode(out: dict[str, Any]) -> dict[str, Any]:
     return enc
 
 
+#: One rank (or every rank) returns something ValidationGather cannot gather exactly.
+BAD_STEPS = ("rows_first_batch", "rows_second_batch", "float_first_batch", "float_every_rank", "scalar_tensor")
+
+
+def bad_step(model: Model, out: dict[str, Any], batch_idx: int) -> Any:
+    rank, bad = model.global_rank, model.bad
+    if bad == "rows_first_batch" and rank == 1 and batch_idx == 0:
+        out["preds"] = out["preds"][:-1]  # one row short: a wrong row count on rank 1's first batch
+    elif bad == "rows_second_batch" and rank == 1 and batch_idx == 1:
+        out["preds"] = out["preds"][:-1]
+    elif bad == "float_first_batch" and rank == 1:
+        return 0.5  # a Python float from every step of rank 1
+    elif bad == "float_every_rank":
+        return float(out["preds"].mean())
+    elif bad == "scalar_tensor" and rank == 1:
+        return out["preds"].mean()  # a 0-d tensor
+    return out
+
+
 def trainer(args: argparse.Namespace, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=args.devices, strategy=args.strategy, logger=False,
                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kwargs)
@@ -186,6 +208,28 @@ def main() -> None:
         save("mismatch")
         return
 
+    if args.phase == "badrank":  # every scenario in one launch: each must raise on every rank
+        for bad in BAD_STEPS:
+            gather = ls.ValidationGather(metrics={"val_acc": lambda o: binary_accuracy(o["preds"], o["target"])})
+            t0 = time.monotonic()
+            try:
+                trainer(args, [gather]).validate(Model(bad=bad), DataLoader(Points(40), batch_size=5), verbose=False)
+                report[bad] = {"error": None, "metrics": {k: float(v) for k, v in gather.metrics.items()},
+                               "rows": {i: len(o["index"]) for i, o in gather.gathered.items()}}
+            except Exception as err:  # noqa: BLE001 - the test checks the type and the words
+                report[bad] = {"error": f"{type(err).__name__}: {err}"}
+            report[bad]["seconds"] = time.monotonic() - t0
+            # Every Trainer sets up its own process group; a rank that finished tearing down the failed one
+            # first must not rendezvous with a peer still inside it: meet on the file system in between.
+            (out / f"{bad}.done{rank}").touch()
+            deadline = time.monotonic() + 60
+            while not all((out / f"{bad}.done{r}").exists() for r in range(args.devices)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {rank}: a peer never finished scenario {bad}")
+                time.sleep(0.1)
+        save("badrank")
+        return
+
     model = Model()
     if args.phase == "all":
         # ---- fit: two validation loaders, Lightning injects its padded DistributedSampler
@@ -217,6 +261,7 @@ def main() -> None:
         "gathered": {i: encode(o) for i, o in everyone.gathered.items()},
         "rank0": {i: encode(o) for i, o in rank0.gathered.items()},
         "callback_metrics": {k: float(v) for k, v in val.callback_metrics.items()},
+        "metric_samples": everyone.metric_samples,
         "weights": weights,
     }
 

@@ -88,7 +88,7 @@ def main(out_dir: str, mode: str) -> None:
     torch.save({"state": module.model.state_dict(), "classes_in_fit": classes_in_fit,
                 "classes_after": [type(m).__name__ for m in module.model.modules()]},
                os.path.join(out_dir, f"rank{rank}.pt"))
-    # FINDINGS: gloo processes may SIGABRT at exit after a DDP backward unless everything is released
+    # docs/strategy.md: gloo processes may SIGABRT at exit after a DDP backward unless everything is released
     # and the group destroyed on every rank first.
     del trainer, module
     gc.collect()

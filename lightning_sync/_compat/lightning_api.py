@@ -1,0 +1,177 @@
+"""The private Lightning names lightning_sync uses. See ``lightning_sync._compat``."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+import lightning
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _launch_process_observer as launch_process_observer,
+)
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
+from packaging.version import Version
+
+from lightning_sync._compat import TouchPoint
+
+__all__ = [
+    "LIGHTNING_VERSION",
+    "TOUCH_POINTS",
+    "PathLike",
+    "StrategyRegistryType",
+    "SubprocessScriptLauncher",
+    "check_can_spawn_children",
+    "current_hook_name",
+    "launch_process_observer",
+    "layer_sync",
+    "load_checkpoint_kwargs",
+    "logged_keys",
+    "process_group_backend",
+    "set_launcher",
+    "set_layer_sync",
+    "set_num_threads_if_needed",
+    "start_method",
+    "stop_epoch_after",
+]
+
+LIGHTNING_VERSION = Version(lightning.__version__)
+
+#: A file path as Lightning's checkpoint API takes it (Lightning's own alias, ``_PATH``, is private).
+PathLike = Union[str, Path]
+
+if TYPE_CHECKING:
+    from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType
+else:
+    StrategyRegistryType = type(StrategyRegistry)  # the class of the public registry object
+
+
+# --------------------------------------------------------------------------- strategy
+
+
+def process_group_backend(strategy: DDPStrategy) -> str:
+    """The backend the strategy will create its process group with (also before it exists)."""
+    return str(strategy._get_process_group_backend())
+
+
+def current_hook_name(module: object) -> str | None:
+    """The LightningModule hook Lightning is running now (``"training_step"``, ...), for messages."""
+    name = getattr(module, "_current_fx_name", None)
+    return name if isinstance(name, str) else None
+
+
+def layer_sync(strategy: object) -> Any:
+    """The strategy's ``LayerSync`` plugin (``sync_batchnorm=True``), or None."""
+    return getattr(strategy, "_layer_sync", None)
+
+
+def set_layer_sync(strategy: DDPStrategy, plugin: Any) -> None:
+    strategy._layer_sync = plugin
+
+
+def start_method(strategy: DDPStrategy) -> str:
+    """``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``."""
+    return str(strategy._start_method)
+
+
+def set_launcher(strategy: DDPStrategy, launcher: Any) -> None:
+    """Replace the launcher Lightning built (called from the strategy's ``_configure_launcher`` override)."""
+    strategy._launcher = launcher
+
+
+_LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(DDPStrategy.load_checkpoint).parameters
+
+
+def load_checkpoint_kwargs(weights_only: bool | None) -> dict[str, Any]:
+    """``weights_only`` for ``Strategy.load_checkpoint`` where Lightning takes it (2.6.0 on)."""
+    if weights_only is None or not _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY:
+        return {}
+    return {"weights_only": weights_only}
+
+
+# --------------------------------------------------------------------------- trainer loops
+
+
+def stop_epoch_after(trainer: Any, batches: int, val_check_batch: int | None) -> None:
+    """End the running training epoch after ``batches`` batches (validating at ``val_check_batch``).
+
+    Lightning has no public way to shorten the running epoch; its epoch loop reads ``max_batches``.
+    """
+    trainer.fit_loop.max_batches = batches
+    if val_check_batch is not None:
+        trainer.val_check_batch = val_check_batch
+
+
+def logged_keys(trainer: Any) -> list[str]:
+    """The keys logged with ``self.log`` in the running epoch (Lightning's result collection)."""
+    results = trainer._results
+    return sorted(results.keys()) if results is not None else []
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def check_can_spawn_children(launcher: Any) -> None:
+    launcher._check_can_spawn_children()
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _ddp_vars() -> dict[str, Any]:
+    return vars(DDPStrategy())
+
+
+def _trainer() -> Any:
+    from lightning.pytorch import Trainer
+
+    return Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   accelerator="cpu", devices=1)
+
+
+def _params(fn: Any) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
+def _module_has_fx_name() -> bool:
+    from lightning.pytorch import LightningModule
+
+    return "_current_fx_name" in vars(LightningModule())
+
+
+TOUCH_POINTS: tuple[TouchPoint, ...] = (
+    TouchPoint("lightning.pytorch.strategies.DDPStrategy._get_process_group_backend",
+               "NCCL flight recorder configured before the process group exists",
+               lambda: callable(getattr(DDPStrategy(), "_get_process_group_backend", None))),
+    TouchPoint("lightning.pytorch.LightningModule._current_fx_name", "names the running hook in guard messages",
+               _module_has_fx_name),
+    TouchPoint("lightning.pytorch.strategies.DDPStrategy._layer_sync", "sync_batchnorm=True -> portable SyncBatchNorm",
+               lambda: "_layer_sync" in _ddp_vars()),
+    TouchPoint("lightning.pytorch.strategies.DDPStrategy._start_method, _launcher and _configure_launcher",
+               "the Hydra-aware launcher",
+               lambda: {"_start_method", "_launcher"} <= set(_ddp_vars())
+               and callable(getattr(DDPStrategy, "_configure_launcher", None))),
+    TouchPoint("lightning.pytorch.strategies.DDPStrategy.load_checkpoint(weights_only=...)",
+               "resume: weights_only passed only where Lightning takes it (2.6.0 on)",
+               lambda: _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY == (LIGHTNING_VERSION >= Version("2.6.0"))),
+    TouchPoint("lightning.pytorch.loops._FitLoop.max_batches and Trainer.val_check_batch",
+               "uneven_batches='stop_together'",
+               lambda: hasattr(_trainer().fit_loop, "max_batches") and hasattr(_trainer(), "val_check_batch")),
+    TouchPoint("lightning.pytorch.Trainer._results", "logged keys compared across ranks",
+               lambda: hasattr(_trainer(), "_results")),
+    TouchPoint("lightning.fabric.strategies.launchers.subprocess_script._launch_process_observer",
+               "Hydra launcher: the job ends when a rank dies", lambda: "child_processes" in _params(launch_process_observer)),
+    TouchPoint("lightning.fabric.utilities.distributed._set_num_threads_if_needed", "Hydra launcher: threads per rank",
+               lambda: "num_processes" in _params(set_num_threads_if_needed)),
+    TouchPoint("lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher "
+               "(_call_children_scripts, _check_can_spawn_children, procs)", "base class of HydraDDPLauncher",
+               lambda: all(callable(getattr(SubprocessScriptLauncher, n, None))
+                           for n in ("launch", "_call_children_scripts", "_check_can_spawn_children"))),
+    TouchPoint("lightning.fabric.strategies.registry._StrategyRegistry", "type of StrategyRegistry (annotations)",
+               lambda: callable(getattr(StrategyRegistry, "register", None))
+               and {"name", "strategy", "description", "override"} <= _params(StrategyRegistry.register)),
+)

@@ -1,0 +1,186 @@
+"""Atomic checkpoint files: complete under their final name, or not there at all.
+
+Lightning's ``TorchCheckpointIO`` writes through an fsspec transaction, which stages the bytes in a
+file under ``$TMPDIR`` and moves it into place with ``shutil.move``. When ``$TMPDIR`` is on another
+file system than the checkpoint directory (``/dev/shm``, a node-local ``/tmp`` beside a shared
+``/checkpoints``), that move is a copy into the final name: a rank killed during it leaves a
+truncated ``epoch=0-step=4.ckpt`` and even a truncated ``last.ckpt`` where a good one was, and the
+resume fails with "PytorchStreamReader failed reading zip archive".
+
+:class:`AtomicCheckpointIO` (the default checkpoint IO of ``strategy="ddp_sync"``) writes local
+checkpoints to a temporary file **in the target directory**, ``fsync``\\ s it, renames it over the
+final name with ``os.replace`` (atomic on POSIX within one file system) and ``fsync``\\ s the
+directory, whatever ``$TMPDIR`` is. A reader sees the old file or the new one, never a mix. A
+failed save removes its temporary file; one left by a killed process (``.NAME.*.lsync-tmp``) is
+removed by the next save of the same name. Remote URLs (``s3://``...) keep Lightning's path.
+
+:func:`is_complete_checkpoint` tells a complete checkpoint from a truncated one without loading
+it (auto-resume uses it to pick the newest complete checkpoint); loading a truncated or corrupt
+file raises :class:`CorruptCheckpointError` with the file's name and what to do.
+
+Only torch and Lightning's checkpoint IO base class are imported here.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+
+from lightning_sync._compat.lightning_api import PathLike
+from lightning_sync.errors import LightningSyncError
+
+__all__ = ["AtomicCheckpointIO", "CorruptCheckpointError", "atomic_save", "checkpoint_problem",
+           "is_complete_checkpoint"]
+
+_TMP_SUFFIX = ".lsync-tmp"
+
+
+class CorruptCheckpointError(LightningSyncError):
+    """A checkpoint file is truncated or corrupt (e.g. its writer was killed while saving)."""
+
+
+def _is_local(path: PathLike) -> bool:
+    text = str(path)
+    return "://" not in text or text.startswith("file://")
+
+
+def _local(path: PathLike) -> str:
+    text = str(path)
+    return text[len("file://"):] if text.startswith("file://") else os.fspath(path)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some file systems do not open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: Any, path: PathLike, save: Callable[[Any, Any], None] = torch.save) -> None:
+    """Write ``obj`` to the local file ``path`` atomically: temporary file beside it, fsync, rename.
+
+    Args:
+        obj: what ``save(obj, file)`` writes (a checkpoint dict for the default ``torch.save``).
+        path: the final file name; its directory is created if needed.
+        save: writes ``obj`` into an open binary file.
+    """
+    target = os.path.abspath(_local(path))
+    directory, name = os.path.split(target)
+    os.makedirs(directory, exist_ok=True)
+    # A temporary file of an earlier save of this name whose process was killed: never complete.
+    for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.*{_TMP_SUFFIX}")):
+        try:
+            os.remove(stale)
+        except OSError:
+            pass
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=_TMP_SUFFIX, dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; a checkpoint gets the usual mode
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def checkpoint_problem(path: PathLike, verify_data: bool = False) -> str | None:
+    """Why ``path`` is not a complete torch checkpoint, or ``None`` if it is.
+
+    Reads only the zip directory at the end of the file (a truncated file has none), so it is cheap
+    for a checkpoint of any size. ``verify_data=True`` also checks every record's CRC (reads the
+    whole file: catches corruption inside, not only truncation).
+    """
+    local = _local(path)
+    try:
+        size = os.path.getsize(local)
+    except OSError as err:
+        return f"cannot read it ({err.strerror or err})"
+    if size == 0:
+        return "it is empty"
+    if not zipfile.is_zipfile(local):
+        with open(local, "rb") as f:
+            head = f.read(4)
+        if head[:2] == b"\x80\x02":  # torch's legacy (non-zip) format: only loading it tells
+            try:
+                torch.load(local, map_location="cpu", weights_only=False)
+            except Exception as err:  # noqa: BLE001
+                return f"it does not load ({type(err).__name__}: {err})"
+            return None
+        return f"it is not a complete torch checkpoint (no zip directory at its end; {size} bytes): truncated?"
+    try:
+        with zipfile.ZipFile(local) as archive:
+            names = archive.namelist()
+            if not any(n.endswith("data.pkl") for n in names):
+                return "it is a zip file but holds no torch checkpoint (no data.pkl)"
+            if verify_data:
+                bad = archive.testzip()
+                if bad is not None:
+                    return f"its record {bad!r} is corrupt (CRC mismatch)"
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        return f"its zip directory is unreadable ({err})"
+    return None
+
+
+def is_complete_checkpoint(path: PathLike, verify_data: bool = False) -> bool:
+    """True when ``path`` is a complete torch checkpoint (see :func:`checkpoint_problem`)."""
+    return checkpoint_problem(path, verify_data) is None
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` that writes local files atomically and refuses truncated ones on load."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None) -> None:
+        if storage_options is not None or not _is_local(path):
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        atomic_save(checkpoint, path)
+
+    def load_checkpoint(self, path: PathLike, map_location: Any | None = lambda storage, loc: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if _is_local(path) and os.path.exists(_local(path)):
+            problem = checkpoint_problem(path)
+            if problem is not None:
+                raise CorruptCheckpointError(_refusal(path, problem))
+        try:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except RuntimeError as err:
+            if "PytorchStreamReader" in str(err) or "zip archive" in str(err):
+                raise CorruptCheckpointError(_refusal(path, f"{err}".splitlines()[0])) from err
+            raise
+
+
+def _refusal(path: PathLike, problem: str) -> str:
+    directory = Path(_local(path)).parent
+    others = sorted((p for p in directory.glob("*.ckpt") if p != Path(_local(path)) and is_complete_checkpoint(p)),
+                    key=lambda p: p.stat().st_mtime, reverse=True)[:3]
+    hint = (f" Complete checkpoints beside it, newest first: {', '.join(p.name for p in others)}." if others
+            else " No complete checkpoint lies beside it.")
+    return (f"checkpoint {_local(path)} is incomplete: {problem}. It was probably being written when its process "
+            f"was killed; it is refused rather than loaded.{hint} Resume from a complete one (ckpt_path=...).")

@@ -1,0 +1,21 @@
+"""pytest plugin: Lightning's registry name ``"ddp"`` served by ``SyncDDPStrategy``.
+
+Used by ``tests/lightning_suite/run.sh`` to run Lightning's own DDP tests against ``ddp_sync``
+(see docs/compat.md). Loaded with ``-p lsync_as_ddp`` (this folder on ``PYTHONPATH``); Lightning's
+test files are never copied here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def pytest_configure(config: Any) -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_sync import SyncDDPStrategy
+
+    StrategyRegistry.register("ddp", SyncDDPStrategy, description="ddp served by lightning_sync.SyncDDPStrategy",
+                              override=True, start_method="popen")
+    # Lightning's launcher re-runs `python -m pytest ...` for rank 1 (standalone tests): it loads
+    # this plugin too, so both ranks use the same strategy.

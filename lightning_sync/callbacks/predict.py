@@ -2,7 +2,7 @@
 
 Under DDP every rank predicts its own share, and Lightning's padded sampler repeats some samples.
 ``PredictionWriter`` records the dataset index of every row from the batch sampler (the machinery
-of :class:`~lightning_sync.ValidationGather`), and each rank streams its rows to part files of
+shared with :class:`~lightning_sync.ValidationGather`, :mod:`lightning_sync.recording`), and each rank streams its rows to part files of
 bounded size, sorted by index and written atomically. When the predict epoch ends, the ranks
 exchange a short summary (row counts, columns, errors); rank 0 k-way merges every part into one
 Parquet file ordered by ``"index"``, keeps each index once, writes it atomically and records a
@@ -13,7 +13,7 @@ buffer of rows, and the part files let ``resume=True`` skip the batches an inter
 from __future__ import annotations
 
 import datetime
-import pickle
+import json
 import shutil
 import time
 import uuid
@@ -32,16 +32,10 @@ from torch import Tensor
 from torch.utils.data import IterableDataset
 
 from lightning_sync import collectives, rowstore
-from lightning_sync.callbacks.gather import (
-    OUTPUT_KEY,
-    Stage,
-    _active_loaders,
-    _BatchLog,
-    _Recorder,
-    attach_recorder,
-    detach_recorder,
-)
+from lightning_sync._compat.lightning_api import seen_batch_indices
+from lightning_sync._compat.torch_api import default_store
 from lightning_sync.errors import RankMismatchError, format_ranks
+from lightning_sync.recording import OUTPUT_KEY, BatchLog, Recorder, Stage, active_loaders, attach_recorder, detach_recorder
 
 __all__ = ["PredictionWriter"]
 
@@ -49,7 +43,7 @@ WriteInterval = Literal["batch", "epoch"]
 _COMPRESSIONS = ("snappy", "zstd", "gzip", "brotli", "lz4", "none")
 
 
-class _PositionLog(_BatchLog):
+class _PositionLog(BatchLog):
     """A batch log that also knows each batch's position in its sampler and can skip batches."""
 
     def __init__(self, writer: PredictionWriter) -> None:
@@ -159,7 +153,7 @@ class PredictionWriter(pl.Callback):
         self.keep_parts = keep_parts
         self.stages: tuple[Stage, ...] = ("predict",)
         self.manifest: dict[str, Any] | None = None
-        self._recorder = _Recorder(new_log=lambda: _PositionLog(self))
+        self._recorder = Recorder(new_log=lambda: _PositionLog(self))
         self._strategy: Any = None
         self._reset()
 
@@ -200,13 +194,13 @@ class PredictionWriter(pl.Callback):
                 decision = self._prepare_target()
             except OSError as err:
                 decision = {"error": f"PredictionWriter: cannot prepare {self.parts_dir}: {err}", "kind": "OSError"}
-        decision = collectives.broadcast_object(decision, src=0)
+        decision = collectives.broadcast_object(decision, src=0, safe=True)
         assert decision is not None
         if decision.get("error"):
             raise (FileExistsError if decision["kind"] == "FileExistsError" else OSError)(decision["error"])
         self._attempt = decision["attempt"]
         token = self.parts_dir / f".token-{self._attempt}"
-        visible = collectives.gather_objects(token.exists())
+        visible = collectives.gather_objects(token.exists(), safe=True)
         assert visible is not None
         blind = [r for r, seen in enumerate(visible) if not seen]
         if blind:
@@ -270,16 +264,16 @@ class PredictionWriter(pl.Callback):
 
     def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:
-        loaders = _active_loaders(trainer, "predict")
+        loaders = active_loaders(trainer, "predict")
         log = self._recorder.lookup(loaders[dataloader_idx] if dataloader_idx < len(loaders) else None)
-        recorded = log.pop() if isinstance(log, _BatchLog) else None
+        recorded = log.pop() if isinstance(log, BatchLog) else None
         position = log.position if isinstance(log, _PositionLog) and recorded is not None else self._batches
         self._batches += 1
         if self._trim_lightning_indices and dataloader_idx < len(loaders):
             # Lightning's index wrapper keeps every batch's indices (Python ints, ~36 bytes a row) for
             # BasePredictionWriter / return_predictions; with neither, nothing reads them: drop them
-            seen = getattr(getattr(loaders[dataloader_idx], "batch_sampler", None), "seen_batch_indices", None)
-            if isinstance(seen, list):
+            seen = seen_batch_indices(getattr(loaders[dataloader_idx], "batch_sampler", None))
+            if seen is not None:
                 seen.clear()
         if self._error is not None:
             return
@@ -296,7 +290,7 @@ class PredictionWriter(pl.Callback):
             # process-group timeout. This rank stops predicting (see _accept); every rank raises it.
             self._error = f"rank {self._rank}, batch {batch_idx}: {err}"
 
-    def _rows(self, outputs: Any, recorded: list[Any] | None, log: _BatchLog | str) -> tuple[np.ndarray, dict[str, Any]]:
+    def _rows(self, outputs: Any, recorded: list[Any] | None, log: BatchLog | str) -> tuple[np.ndarray, dict[str, Any]]:
         if outputs is None:
             outputs = {}
         elif isinstance(outputs, Tensor):
@@ -350,7 +344,7 @@ class PredictionWriter(pl.Callback):
         mine = {"error": self._error, "rows": self._parts.rows_written, "parts": self._parts.parts_written,
                 "skipped": self._skipped, "batches": self._batches,
                 "columns": None if schema is None else rowstore.describe_schema(schema)}
-        summaries = collectives.gather_objects(mine)
+        summaries = collectives.gather_objects(mine, safe=True)
         assert summaries is not None
         errors = {r: s["error"] for r, s in enumerate(summaries) if s["error"]}
         if errors:
@@ -438,7 +432,7 @@ class PredictionWriter(pl.Callback):
 
 def _dataset_length(trainer: pl.Trainer) -> int | None:
     """``len(dataset)`` of the predict dataloader when it has one (map-style), else None."""
-    loaders = _active_loaders(trainer, "predict")
+    loaders = active_loaders(trainer, "predict")
     dataset = getattr(loaders[0], "dataset", None) if loaders else None
     try:
         return len(dataset) if dataset is not None and not isinstance(dataset, IterableDataset) else None
@@ -456,17 +450,17 @@ def _from_rank0(value: Any, key: str, world_size: int) -> Any:
     if not collectives.is_distributed():
         return value
     try:
-        store: Any = dist.distributed_c10d._get_default_store()  # private, as in the guard; set() takes bytes
+        store = default_store()
     except (AttributeError, RuntimeError, ValueError):  # pragma: no cover - no store: fall back to a collective
-        return collectives.broadcast_object(value, src=0)
+        return collectives.broadcast_object(value, src=0, safe=True)
     if dist.get_rank() == 0:
-        store.set(key, pickle.dumps(value))
+        store.set(key, json.dumps(value))
         return value
     delay = 0.01
     while not store.check([key]):
         time.sleep(delay)
         delay = min(1.0, delay * 1.5)
-    shared = pickle.loads(store.get(key))
+    shared = json.loads(store.get(key))  # plain data: rank 0's bytes cannot run code here
     if store.add(f"{key}/read", 1) == world_size - 1:  # the last reader cleans up
         store.delete_key(key)
         store.delete_key(f"{key}/read")

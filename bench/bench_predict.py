@@ -135,7 +135,7 @@ def trainer(args: argparse.Namespace, callbacks: list[Any]) -> L.Trainer:
                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
 
 
-def run(way: str, args: argparse.Namespace, work: Path) -> tuple[float, int]:
+def run(way: str, args: argparse.Namespace, work: Path) -> float:
     loader = DataLoader(Rows(args.rows), batch_size=args.batch, collate_fn=as_batch)
     target = work / way
     if target.exists() and int(os.environ.get("LOCAL_RANK", 0)) == 0:
@@ -159,7 +159,7 @@ def run(way: str, args: argparse.Namespace, work: Path) -> tuple[float, int]:
         if t.global_rank == 0:
             assert len(gather.gathered[0]["index"]) == args.rows
             torch.save(gather.gathered[0], target / "preds.pt")
-    return time.perf_counter() - start, 0
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -180,7 +180,7 @@ def main() -> None:
         order = ways[repeat % 3:] + ways[:repeat % 3]
         for way in order:
             with PeakRSS() as mem:
-                elapsed, _ = run(way, args, work)
+                elapsed = run(way, args, work)
             seconds[way].append(elapsed)
             growth[way].append(mem.peak - mem.base)
     if rank != 0:

@@ -240,7 +240,8 @@ def check_main(out: Path, world: int, big: int) -> list[dict[str, Any]]:
             assert rep["exists"]["type"] == "FileExistsError" and "overwrite=True" in rep["exists"]["message"]
         if "batch_dim" in rep:
             assert rep["batch_dim"]["type"] == "ValueError"
-            assert "rank 1, batch 1: key 'emb' has shape (0, 16)" in rep["batch_dim"]["message"]
+            message = rep["batch_dim"]["message"]
+            assert "rank 1, batch 0: key 'emb' has shape (1, 16) but the batch has 2 samples" in message
         assert rep["extra_key"]["type"] == "RankMismatchError"
         assert "rank 0 index: int64, emb:" in rep["extra_key"]["message"]
         assert "extra: float" in rep["extra_key"]["message"]

@@ -112,7 +112,7 @@ class Model(L.LightningModule):
             out["name"] = list(names)
             out["tokens"] = [torch.arange(int(n[1:]) % 4) for n in names]  # ragged
             out["square"] = x[:, :4].reshape(-1, 2, 2)
-        if self.global_rank == 1 and self.bad == "batch_dim" and batch_idx == 1:
+        if self.global_rank == 1 and self.bad == "batch_dim" and batch_idx == 0:
             out["emb"] = out["emb"][:-1]
         if self.global_rank == 1 and self.bad == "extra_key":
             out["extra"] = label.float()

@@ -10,8 +10,8 @@ index once, in order, on rank 0's disk:
 * ``PredictionWriter``: ``ls.PredictionWriter(path)`` (Parquet, snappy): parts streamed per rank,
   k-way merged by rank 0.
 * ``BasePredictionWriter + torch.save``: Lightning's documented pattern, ``write_interval="epoch"``:
-  every rank ``torch.save``s its predictions and batch indices, then rank 0 loads every rank's
-  file, concatenates, drops duplicates by index, orders and ``torch.save``s the result.
+  every rank ``torch.save``s its predictions and batch indices; after a barrier rank 0 loads every
+  rank's file, concatenates, drops duplicates by index, orders and ``torch.save``s the result.
 * ``ValidationGather(stages=["predict"], rank_zero_only=True)``: the rows gathered to rank 0 in
   memory at epoch end, then ``torch.save``d.
 
@@ -108,18 +108,25 @@ class TorchSaveWriter(BasePredictionWriter):
     def __init__(self, directory: Path) -> None:
         super().__init__(write_interval="epoch")
         self.directory = directory
+        self.rows = 0
 
     def write_on_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any,
                            batch_indices: Any) -> None:
         torch.save({"predictions": predictions, "batch_indices": batch_indices},
                    self.directory / f"rank{trainer.global_rank}.pt")
+        trainer.strategy.barrier()  # every rank's file is complete
+        if trainer.global_rank == 0:
+            self.rows = hand_merge(self.directory, trainer.world_size, self.directory / "preds.pt")
 
 
 def hand_merge(directory: Path, world: int, out: Path) -> int:
     index, emb, label = [], [], []
     for r in range(world):
         saved = torch.load(directory / f"rank{r}.pt", weights_only=False)
-        for batch, ids in zip(saved["predictions"][0], saved["batch_indices"][0]):
+        preds, indices = saved["predictions"], saved["batch_indices"]
+        if preds and isinstance(preds[0], list):  # several dataloaders: one list each
+            preds, indices = preds[0], indices[0]
+        for batch, ids in zip(preds, indices):
             index.append(torch.as_tensor(ids))
             emb.append(batch["emb"])
             label.append(batch["label"])
@@ -148,10 +155,11 @@ def run(way: str, args: argparse.Namespace, work: Path) -> float:
         trainer(args, [writer]).predict(model, loader, return_predictions=False)
         assert writer.manifest is not None and writer.manifest["rows"] == args.rows
     elif way == "BasePredictionWriter + torch.save":
-        t = trainer(args, [TorchSaveWriter(target)])
+        writer = TorchSaveWriter(target)
+        t = trainer(args, [writer])
         t.predict(model, loader, return_predictions=False)
         if t.global_rank == 0:
-            assert hand_merge(target, t.world_size, target / "preds.pt") == args.rows
+            assert writer.rows == args.rows
     else:
         gather = ls.ValidationGather(stages=["predict"], rank_zero_only=True)
         t = trainer(args, [gather])

@@ -2,8 +2,8 @@
 
     python recipes/predict_to_parquet.py                                  # 2 CPU processes (gloo)
     python recipes/predict_to_parquet.py --accelerator gpu --devices 4    # 4 GPUs (NCCL)
-    python recipes/predict_to_parquet.py --size 100000 --out preds.parquet --resume  # continue a killed run
 
+Add --resume to continue a run that was killed: the batches it finished are not predicted again.
 Under DDP every rank predicts its own share; collecting them yourself means per-rank files, a merge
 that loads everything, and Lightning's padding duplicates. `ls.PredictionWriter` streams each
 rank's rows (with their dataset indices) to part files and merges them into one file whose
@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--size", type=int, default=1001, help="data set size (odd: ranks get different counts)")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--out", default="preds.parquet")
+    p.add_argument("--out", default="outputs/recipes/predict_to_parquet/preds.parquet")
     p.add_argument("--resume", action="store_true", help="skip the batches an interrupted run finished")
     args = p.parse_args()
 

@@ -1,9 +1,12 @@
 """Epoch-end gather of 1e6 validation rows (16 float32 + int64 label) on 2 gloo ranks, four ways.
 
     .venv/bin/python bench/bench_gather.py [--rows 1000000] [--repeats 5] [--batch 1024] [--world 2]
+        [--sharding exact|padded]
 
-Each rank holds what a padded DistributedSampler gives it (rows + 1 split over ranks: one padding
-duplicate), collected batch by batch. Timed per method (median of ``--repeats``; the time is the
+Each rank holds what its evaluation sampler gives it, collected batch by batch: ``exact`` (default)
+ddp_sync's contiguous shards (the gathered rows arrive in index order: nothing to drop or re-order);
+``padded`` Lightning ddp's interleaved DistributedSampler (odd ``--rows``: one padding duplicate;
+the rows must be re-ordered). Timed per method (median of ``--repeats``; the time is the
 slowest rank's, i.e. until the collective is complete everywhere), every method starting from the
 per-batch outputs, relative to a bare ``all_gather_uneven`` of the same rows (concatenate the
 batches, gather features and labels; the gather alone is shown on the next line):
@@ -73,8 +76,16 @@ class PeakRSS:
         self.peak = max(self.peak, rss())
 
 
+SHARDING = os.environ.get("BENCH_SHARDING", "exact")
+
+
 def shard(rank: int, world: int, n: int) -> list[int]:
-    total = -(-n // world) * world  # DistributedSampler: pad by wrapping around
+    if SHARDING == "exact":  # ddp_sync's evaluation shards: contiguous blocks, no padding
+        from lightning_sync.sampling import plan_steps
+
+        plan = plan_steps(n, world, 1)
+        return list(range(plan.start(rank), plan.start(rank) + plan.counts[rank]))
+    total = -(-n // world) * world  # Lightning's DistributedSampler: interleaved, pad by wrapping around
     return [i % n for i in range(rank, total, world)]
 
 
@@ -202,7 +213,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--sharding", choices=["exact", "padded"], default="exact",
+                   help="exact: ddp_sync's contiguous shards (default); padded: Lightning ddp's interleaved sampler")
     args = p.parse_args()
+    os.environ["BENCH_SHARDING"] = args.sharding  # read by the spawned ranks
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report.json")
         mp.spawn(worker, args=(args.world, os.path.join(tmp, "init"), out, args.rows, args.batch, args.repeats),
@@ -210,7 +224,8 @@ def main() -> None:
         report = json.loads(Path(out).read_text())
     base = report["median_s"]["bare all_gather_uneven"]
     mb = report["result_bytes"] / 2**20
-    print(f"{report['rows']} rows x (16 float32 + int64 label) on {report['world']} gloo ranks, batch {report['batch']}; "
+    print(f"{report['rows']} rows x (16 float32 + int64 label) on {report['world']} gloo ranks, batch {report['batch']}, "
+          f"{args.sharding} shards; "
           f"gathered result {mb:.0f} MiB (incl. int64 index)")
     print(f"{'method':<26}{'median s':>10}{'vs bare':>9}{'rank-0 RSS growth / result':>29}")
     for name, t in report["median_s"].items():

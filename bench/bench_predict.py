@@ -124,8 +124,10 @@ def hand_merge(directory: Path, world: int, out: Path) -> int:
     for r in range(world):
         saved = torch.load(directory / f"rank{r}.pt", weights_only=False)
         preds, indices = saved["predictions"], saved["batch_indices"]
-        if preds and isinstance(preds[0], list):  # several dataloaders: one list each
-            preds, indices = preds[0], indices[0]
+        if preds and isinstance(preds[0], list):  # nested per dataloader
+            preds = preds[0]
+        if indices and indices[0] and isinstance(indices[0][0], list):
+            indices = indices[0]
         for batch, ids in zip(preds, indices):
             index.append(torch.as_tensor(ids))
             emb.append(batch["emb"])

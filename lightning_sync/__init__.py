@@ -20,6 +20,7 @@ from lightning_sync.errors import (
     LightningSyncError,
     ParameterDivergenceError,
     RankMismatchError,
+    UnevenEvaluationError,
 )
 from lightning_sync.guard import CollectiveGuard
 from lightning_sync.seeding import SeedLineage, derive_seed
@@ -43,6 +44,7 @@ __all__ = [
     "SyncBatchNorm",
     "SyncBatchNormConversion",
     "SyncDDPStrategy",
+    "UnevenEvaluationError",
     "ValidationGather",
     "collectives",
     "convert_sync_batchnorm",

@@ -11,8 +11,9 @@ resume fails with "PytorchStreamReader failed reading zip archive".
 checkpoints to a temporary file **in the target directory**, ``fsync``\\ s it, renames it over the
 final name with ``os.replace`` (atomic on POSIX within one file system) and ``fsync``\\ s the
 directory, whatever ``$TMPDIR`` is. A reader sees the old file or the new one, never a mix. A
-failed save removes its temporary file; one left by a killed process (``.NAME.*.lsync-tmp``) is
-removed by the next save of the same name. Remote URLs (``s3://``...) keep Lightning's path.
+failed save removes its temporary file; one left by a killed process (``.NAME.HOST-PID.*.lsync-tmp``)
+is removed by the next save into the directory (of the same name, or from the same host once that
+process is gone). Remote URLs (``s3://``...) keep Lightning's path.
 
 :func:`is_complete_checkpoint` tells a complete checkpoint from a truncated one without loading
 it (auto-resume uses it to pick the newest complete checkpoint); loading a truncated or corrupt
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 import tempfile
 import zipfile
 from collections.abc import Callable
@@ -81,13 +83,10 @@ def atomic_save(obj: Any, path: PathLike, save: Callable[[Any, Any], None] = tor
     target = os.path.abspath(_local(path))
     directory, name = os.path.split(target)
     os.makedirs(directory, exist_ok=True)
-    # A temporary file of an earlier save of this name whose process was killed: never complete.
-    for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.*{_TMP_SUFFIX}")):
-        try:
-            os.remove(stale)
-        except OSError:
-            pass
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=_TMP_SUFFIX, dir=directory)
+    _remove_stale_temp_files(directory, name)
+    # the writer's host and pid in the name: lets a later save tell a dead writer's file
+    owner = f"{socket.gethostname().replace('.', '_')}-{os.getpid()}"
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.{owner}.", suffix=_TMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             save(obj, f)
@@ -102,6 +101,32 @@ def atomic_save(obj: Any, path: PathLike, save: Callable[[Any, Any], None] = tor
             pass
         raise
     _fsync_dir(directory)
+
+
+def _remove_stale_temp_files(directory: str, name: str) -> None:
+    """Remove temporary files of killed writers: any of an earlier save of ``name``, and any other whose
+    writer ran on this host and is gone (the writer's host and pid are in the name)."""
+    host = socket.gethostname().replace(".", "_")
+    for stale in glob.glob(os.path.join(glob.escape(directory), f".*{_TMP_SUFFIX}")):
+        base = os.path.basename(stale)
+        owner = base[: -len(_TMP_SUFFIX)].rsplit(".", 2)
+        writer_host, _, pid = owner[1].rpartition("-") if len(owner) == 3 else ("", "", "")
+        dead = writer_host == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid))
+        if base.startswith(f".{name}.") or dead:
+            try:
+                os.remove(stale)
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _umask() -> int:

@@ -1,5 +1,6 @@
 """Hydra glue for ``lsync-train``: OmegaConf resolvers that keep every rank of a job in one
-directory, and the fail-fast checks run before any process is spawned.
+directory, and the fail-fast checks run before any process is spawned (and, through the Hydra
+callback :class:`CheckConfig`, before Hydra creates the run directory).
 
 Resolvers (registered on import):
     ``${lsync_rank:}``        this process's global rank, from the launcher's environment.
@@ -17,9 +18,10 @@ import warnings
 from typing import Any
 
 import torch
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["ConfigError", "check_config", "global_rank", "run_stamp"]
+__all__ = ["CheckConfig", "ConfigError", "check_config", "global_rank", "run_stamp"]
 
 _STARTED = time.localtime()  # one stamp per process: rank > 0 never needs it (it is handed the run dir)
 
@@ -68,16 +70,30 @@ def _fail(key: str, value: Any, why: str, fix: str) -> None:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Checks what would otherwise fail late, after processes are spawned, or hang.
+    """Checks what would otherwise fail late, after processes are spawned, or hang: every value
+    against the schema (``lightning_sync.schema``: types from the constructors the config builds,
+    ranges from the job's dataclasses), then the devices and the launcher's environment.
 
     Raises:
         ConfigError: naming the key, the bad value and the fix.
     """
+    from lightning_sync.schema import problems
+
     t = cfg.trainer
     devices, num_nodes, accel = t.get("devices", 1), t.get("num_nodes", 1), str(t.get("accelerator", "auto"))
     if isinstance(devices, int) and not isinstance(devices, bool) and devices < 1:
         _fail("trainer.devices", devices, "the number of processes per node must be >= 1",
-              "trainer.devices=2 (or trainer.devices=auto)")
+              "trainer.devices=2 (2 processes; on GPUs trainer.devices=auto takes every GPU of the node)")
+    for problem in problems(cfg):
+        raise ConfigError(str(problem))
+    on_cpu = accel == "cpu" or (accel == "auto" and not torch.cuda.is_available())
+    strategy = t.get("strategy", "auto")
+    ddp = not isinstance(strategy, str) or strategy.startswith("ddp")
+    if devices == "auto" and on_cpu and ddp:
+        _fail("trainer.devices", devices, "on CPU Lightning resolves auto to 1 process, so this DDP run would "
+              "train on one rank (world size 1) without saying so",
+              "trainer.devices=N for N processes on this machine (trainer.devices=2 is the default), or "
+              "trainer=cpu for one process without DDP")
     if not isinstance(num_nodes, int) or num_nodes < 1:
         _fail("trainer.num_nodes", num_nodes, "must be an integer >= 1", "trainer.num_nodes=1")
     if accel in ("gpu", "cuda") and not torch.cuda.is_available():
@@ -88,6 +104,35 @@ def check_config(cfg: DictConfig) -> None:
         _fail("trainer.devices", devices, f"only {torch.cuda.device_count()} GPU(s) visible on this node",
               f"trainer.devices={torch.cuda.device_count()} or set CUDA_VISIBLE_DEVICES")
     _check_cluster(cfg, devices, num_nodes)
+
+
+class CheckConfig(Callback):
+    """Hydra callback (``hydra.callbacks`` in conf/train.yaml): runs :func:`check_config` on the
+    composed config before Hydra creates the run directory, so a refused run leaves nothing behind.
+
+    A sweep (``-m``) is checked once with its base config; each job's own values are checked again
+    when the job starts (``lsync-train``'s task function), where a refused job's directory gets a
+    ``CONFIG_ERROR.txt``.
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_or_exit(config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from lightning_sync.schema import import_problem
+
+        launcher = OmegaConf.select(config, "hydra.launcher._target_", default=None)
+        problem = import_problem("hydra/launcher", str(launcher)) if launcher else None
+        if problem is not None:  # hydra/launcher=submitit_* without the plugin installed
+            raise SystemExit(f"lsync-train: config error: {problem}")
+        _check_or_exit(config)
+
+
+def _check_or_exit(config: DictConfig) -> None:
+    try:
+        check_config(config)
+    except ConfigError as err:  # one clear line, no traceback (SystemExit passes Hydra's error handler)
+        raise SystemExit(f"lsync-train: config error: {err}") from None
 
 
 def _detected_cluster() -> str:

@@ -1,15 +1,31 @@
-"""``DigitsDataModule``: scikit-learn's 8x8 handwritten digits (1797 images, shipped with
-scikit-learn: nothing is downloaded), split once with a fixed generator so every rank sees the same
-split. Items are ``(index, image, label)``: the dataset index lets validation outputs be gathered
-exactly (each sample once, however the sampler pads)."""
+"""``DigitsDataModule``: the 8x8 handwritten digits (1797 images, 16 grey levels), shipped inside
+this package as ``assets/digits.npz`` (45 KB): nothing is downloaded and no extra package is needed.
+Split once with a fixed generator so every rank sees the same split. Items are ``(index, image,
+label)``: the dataset index lets validation outputs be gathered exactly (each sample once, however
+the sampler pads).
+
+The file holds ``images`` (uint8, 1797 x 64, values 0..16) and ``labels`` (uint8, 1797), the same
+arrays in the same order as scikit-learn's ``load_digits()`` (written once from scikit-learn 1.9.1;
+tests/test_wheel.py compares them). The data is the UCI "Optical Recognition of Handwritten Digits"
+test set (E. Alpaydin, C. Kaynak, 1998; CC BY 4.0).
+"""
 
 from __future__ import annotations
 
+from importlib.resources import files
+
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["DigitsDataModule", "IndexedTensors"]
+__all__ = ["DigitsDataModule", "IndexedTensors", "load_digits"]
+
+
+def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """The shipped digits: ``(images, labels)``, uint8 tensors of shape (1797, 64) and (1797,)."""
+    with files("lightning_sync").joinpath("assets/digits.npz").open("rb") as f, np.load(f) as arrays:
+        return torch.from_numpy(arrays["images"].copy()), torch.from_numpy(arrays["labels"].copy())
 
 
 class IndexedTensors(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
@@ -53,13 +69,9 @@ class DigitsDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
             return
-        try:
-            from sklearn.datasets import load_digits
-        except ImportError as err:
-            raise ImportError("DigitsDataModule needs scikit-learn: pip install 'lightning_sync[recipes]'.") from err
-        images, labels = load_digits(return_X_y=True)
-        x = torch.tensor(images, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
-        y = torch.tensor(labels, dtype=torch.int64)
+        images, labels = load_digits()
+        x = images.to(torch.float32).view(-1, 1, 8, 8) / 16.0
+        y = labels.to(torch.int64)
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.split_seed))
         n_val = round(len(x) * self.val_fraction)
         val, train = order[:n_val], order[n_val:]

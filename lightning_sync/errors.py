@@ -14,6 +14,7 @@ __all__ = [
     "LightningSyncError",
     "ParameterDivergenceError",
     "RankMismatchError",
+    "UnevenEvaluationError",
     "format_ranks",
 ]
 
@@ -56,3 +57,18 @@ class ParameterDivergenceError(LightningSyncError):
         super().__init__(message)
         self.name = name
         self.values: dict[int, Any] = dict(values or {})
+
+
+class UnevenEvaluationError(RankMismatchError):
+    """Exact evaluation cannot give every rank the same number of steps, and something needed it.
+
+    Raised on every rank at once (each knows every rank's step count): by a per-step collective in
+    an evaluation step when step counts differ, or before the loop when a rank would get no sample.
+    """
+
+
+class ResumeError(LightningSyncError):
+    """A checkpoint cannot resume this run as configured (data, batch size, sampler, or a damaged file).
+
+    Raised before any training step; no checkpoint is changed or deleted.
+    """

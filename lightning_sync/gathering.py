@@ -15,7 +15,9 @@ row). :meth:`RowCollector.gather` is one collective step at the end of the epoch
    concatenating its batches, so each exchange is one even all-gather;
 3. Python objects travel in one :func:`~lightning_sync.collectives.gather_objects` call;
 4. rows are deduplicated by index (the first occurrence in rank order wins: a padding duplicate is
-   the same sample seen by the same weights) and ordered by ascending index.
+   the same sample seen by the same weights) and ordered by ascending index. When the gathered
+   indices already ascend (``ddp_sync``'s exact shards of an unshuffled loader) there is nothing to
+   drop or re-order: the result is a view of the received rows, without a copy.
 
 :func:`dedup_by_index` is the pure bookkeeping, usable without processes.
 """
@@ -71,6 +73,11 @@ def dedup_by_index(index: Tensor) -> tuple[Tensor, Tensor]:
     first = torch.full((unique.numel(),), m, dtype=torch.int64, device=index.device)
     first.scatter_reduce_(0, inverse, positions, reduce="amin")
     return unique, first
+
+
+def _strictly_ascending(index: Tensor) -> bool:
+    # one pass, no sort: true for exact contiguous shards of an unshuffled loader
+    return index.numel() < 2 or bool((index[1:] > index[:-1]).all())
 
 
 @dataclass(frozen=True)
@@ -252,20 +259,29 @@ class RowCollector:
         received = exchange(_padded_cat(index_chunks, n, most, torch.int64, (), torch.device("cpu")))
         del index_chunks
         select: Tensor | None = None
+        first: Tensor | None = None
+        prefix: int | None = None  # rows[:prefix] is the result as it stands: no re-ordering copy
         result: dict[str, Any] = {}
         if received is not None:
             if min(counts) == most:
                 all_index = received
             else:
                 all_index = torch.cat([received[r * most: r * most + c] for r, c in enumerate(counts)])
-            unique, first = dedup_by_index(all_index)
-            del received, all_index
-            if min(counts) == most:
-                select = first
-            else:  # concatenated position -> padded position
-                starts = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0)
-                rank = torch.searchsorted(starts, first, right=True) - 1
-                select = first + rank * most - starts[rank]
+            del received
+            total = all_index.numel()
+            if _strictly_ascending(all_index) and all(c == most for c in counts[:-1]):
+                # exact shards in order (ddp_sync, not shuffled): no duplicate, nothing to re-order, and
+                # the only padding (the last rank's) lies after the rows
+                unique, prefix = all_index, total
+            else:
+                unique, first = dedup_by_index(all_index)
+                del all_index
+                if min(counts) == most:
+                    select = first
+                else:  # concatenated position -> padded position
+                    starts = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0)
+                    rank = torch.searchsorted(starts, first, right=True) - 1
+                    select = first + rank * most - starts[rank]
             result[INDEX_KEY] = unique
         # one key at a time: its batches are freed once packed, its received rows once selected
         for key in sorted(specs):
@@ -274,18 +290,19 @@ class RowCollector:
             device = chunks[0].device if chunks else fallback
             rows = exchange(_padded_cat(chunks, n, most, spec.dtype, spec.trailing, device))
             del chunks
-            if rows is not None and select is not None:
+            if rows is not None and prefix is not None:
+                result[key] = rows[:prefix]  # a view of the received buffer
+            elif rows is not None and select is not None:
                 result[key] = torch.index_select(rows, 0, select.to(rows.device))
             del rows
         gathered_objects = (collectives.gather_objects(local_objects, dst=dst, group=group) if object_keys
                             else [{}] * len(counts))
-        if select is None or gathered_objects is None:
+        if INDEX_KEY not in result or gathered_objects is None:
             return None
         if object_keys:
-            picks = first.tolist()
             for key in object_keys:
                 flat = [item for rank_objects in gathered_objects for item in rank_objects[key]]
-                result[key] = [flat[i] for i in picks]
+                result[key] = flat if first is None else [flat[i] for i in first.tolist()]
         return result
 
     def _reset(self) -> None:

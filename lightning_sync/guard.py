@@ -297,7 +297,8 @@ class CollectiveGuard:
         self._reported_abort = False
         self._lib_dirs = _library_dirs()
         self._code_is_lib = {}
-        prefix = f"lightning_sync/guard/{_generation}/"
+        # torchrun's store also outlives a restart of the worker group: the attempt keeps keys apart
+        prefix = f"lightning_sync/guard/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_generation}/"
         self._store, self._own_timeout = self._side_store(prefix)
         self._watch_store = self._side_store(prefix)[0] if self._own_timeout else self._store
         for name in GUARDED_OPS:

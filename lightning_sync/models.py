@@ -6,6 +6,7 @@ Validation metrics are not computed here: ``validation_step`` returns per-sample
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning as L
@@ -23,7 +24,8 @@ def gathered_mean(outputs: dict[str, Any], key: str = "loss") -> torch.Tensor:
 
 class DigitsCNN(L.LightningModule):
     """conv-BN-ReLU x2, max-pool, conv-BN-ReLU, global average pool, linear; Nesterov SGD with a
-    one-cycle schedule over the whole run.
+    one-cycle schedule over the whole run. A run without a known length (``max_epochs=-1`` with
+    ``max_time``, or until stopped) warms up linearly over its first epoch, then keeps ``lr``.
 
     Args:
         channels: width of the first convolution (the others use twice that).
@@ -69,6 +71,12 @@ class DigitsCNN(L.LightningModule):
         hp = self.hparams
         opt = torch.optim.SGD(self.parameters(), lr=hp["lr"], momentum=hp["momentum"],
                               weight_decay=hp["weight_decay"], nesterov=True)
-        steps = max(1, int(self.trainer.estimated_stepping_batches))
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=hp["lr"], total_steps=steps)
+        steps = self.trainer.estimated_stepping_batches  # inf when the run ends on time or on Ctrl-C
+        sched: torch.optim.lr_scheduler.LRScheduler
+        if math.isfinite(steps):
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=hp["lr"], total_steps=max(1, int(steps)))
+        else:
+            warmup = max(1, int(self.trainer.num_training_batches)
+                         if math.isfinite(self.trainer.num_training_batches) else 100)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

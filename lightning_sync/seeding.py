@@ -123,6 +123,7 @@ class SeedLineage:
     origin: str
     local_seeds: list[int | None] = field(default_factory=list)
     _pending_rng: dict[str, Any] | None = field(default=None, repr=False)
+    _resumed_at: int | None = field(default=None, repr=False)  # global step of a checkpoint from another world size
 
     @property
     def rank_seeds(self) -> list[int]:
@@ -166,6 +167,8 @@ class SeedLineage:
         if self._pending_rng is not None:
             _restore_rng_state(self._pending_rng)
             self._pending_rng = None
+        elif self._resumed_at is not None:  # another world size: new streams, not the run's first ones again
+            seed_everything_local(derive_seed(self.root, "rank", rank, "resumed", self._resumed_at))
         else:
             seed_everything_local(derive_seed(self.root, "rank", rank))
 
@@ -181,15 +184,26 @@ class SeedLineage:
 
     # ---------------------------------------------------------------- checkpoints
 
-    def checkpoint_state(self) -> dict[str, Any] | None:
-        """Every rank's RNG state, gathered to rank 0 (a collective: call on every rank).
+    def checkpoint_state(self, extra: Any = None, global_step: int | None = None) -> dict[str, Any] | None:
+        """Every rank's RNG state (and ``extra``), gathered to rank 0 (a collective: call on every rank).
 
-        Returns the dict to store under ``checkpoint["lightning_sync"]`` on rank 0, None elsewhere.
+        Returns the dict to store under ``checkpoint["lightning_sync"]`` on rank 0, None elsewhere;
+        ``extra`` of every rank lands in its ``"loader_states"`` list (one gather for both).
         """
-        states = gather_objects(_collect_rng_state(), dst=0) if is_distributed() else [_collect_rng_state()]
-        if states is None:
+        mine = (_collect_rng_state(), extra)
+        gathered = gather_objects(mine, dst=0) if is_distributed() else [mine]
+        if gathered is None:
             return None
-        return {"root_seed": self.root, "world_size": self.world_size, "rng_states": states}
+        state = {"root_seed": self.root, "world_size": self.world_size, "rng_states": [g[0] for g in gathered]}
+        if global_step is not None:
+            state["global_step"] = global_step
+        if extra is not None:
+            state["loader_states"] = [g[1] for g in gathered]
+        return state
+
+    def pending_rng_state(self) -> dict[str, Any] | None:
+        """The RNG state queued from a checkpoint for this rank (None: fresh streams)."""
+        return self._pending_rng
 
     def load_checkpoint_state(self, state: dict[str, Any] | None, rank: int) -> None:
         """Adopt a checkpoint's root seed and queue this rank's RNG state for :meth:`seed_rank_streams`."""
@@ -203,6 +217,7 @@ class SeedLineage:
         if state.get("world_size") == self.world_size and rank < len(states):
             self._pending_rng = states[rank]
         else:
+            self._resumed_at = int(state.get("global_step") or 0)
             log.warning("lightning_sync: the checkpoint was written by %s ranks, this run has %s; per-rank RNG "
-                        "streams restart from the root seed instead of continuing.", state.get("world_size"),
-                        self.world_size)
+                        "streams cannot continue and start anew as derive_seed(root %s, 'rank', r, 'resumed', step "
+                        "%s).", state.get("world_size"), self.world_size, self.root, self._resumed_at)

@@ -12,6 +12,7 @@ import signal
 import threading
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
@@ -23,8 +24,11 @@ from lightning_sync._compat.lightning_api import PathLike, StrategyRegistryType
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.checkpoint_io import AtomicCheckpointIO
 from lightning_sync.collectives import validate_seed
+from lightning_sync.errors import UnevenEvaluationError
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
+from lightning_sync.sampling import ExactEvaluation, evaluation_limit, exact_eval_dataloader, is_integer_mean
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
+from lightning_sync.resume import ResumeHooks, init_process_group_after_restart, make_resumable
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
 
 __all__ = ["SyncDDPStrategy"]
@@ -48,6 +52,13 @@ class SyncDDPStrategy(DDPStrategy):
         uneven_batches: what to do when ranks have different numbers of training batches (a rank
             with more would hang in DDP's all-reduce): ``"error"`` raises at epoch start;
             ``"stop_together"`` ends every rank's epoch when the shortest rank runs out.
+        exact_eval: evaluate every sample of validate, test, fit's validation and predict on exactly
+            one rank, once (no padding), in equal step counts wherever possible, and reduce
+            ``self.log(..., sync_dist=True)`` epoch means exactly (see ``lightning_sync.sampling``).
+            ``False``: Lightning's padded ``DistributedSampler``.
+        resume: ``"auto"``: when ``fit`` gets no ``ckpt_path``, resume from the newest checkpoint of
+            the run that loads completely (after an elastic restart or a requeue); a directory: search
+            there. ``None`` (default): only ``ckpt_path``. See ``docs/resume.md``.
 
     After set-up, ``trainer.strategy.seed`` is the root seed, identical on every rank. Samplers use
     it (disjoint, complete shards), model initialisation runs under it (identical replicas), then
@@ -58,8 +69,12 @@ class SyncDDPStrategy(DDPStrategy):
     strategy_name = "ddp_sync"
 
     def __init__(self, *args: Any, seed: int | None = None, guard: bool | CollectiveGuard = True,
-                 guard_timeout: float | None = None, uneven_batches: str = "error", **kwargs: Any) -> None:
+                 guard_timeout: float | None = None, uneven_batches: str = "error", resume: str | None = None,
+                 exact_eval: bool = True,
+                 **kwargs: Any) -> None:
         validate_seed(seed, "SyncDDPStrategy(seed=...)")
+        if resume is not None and not isinstance(resume, str):
+            raise TypeError(f"SyncDDPStrategy(resume={resume!r}): use None, 'auto' or a directory path.")
         if uneven_batches not in ("error", "stop_together"):
             raise ValueError(f"SyncDDPStrategy(uneven_batches={uneven_batches!r}): use 'error' or 'stop_together'.")
         super().__init__(*args, **kwargs)
@@ -69,10 +84,14 @@ class SyncDDPStrategy(DDPStrategy):
         if self._guard is not None and guard_timeout is not None:
             self._guard.timeout = self._guard.hang_timeout = CollectiveGuard(timeout=guard_timeout).timeout
         self.uneven_batches = uneven_batches
+        self.exact_eval = bool(exact_eval)
+        self._exact_eval = ExactEvaluation() if exact_eval else None
         self._lineage: SeedLineage | None = None
         self._pending_checkpoint_state: dict[str, Any] | None = None
         self._failed = False
         self._peers: list[Peer] = []
+        self._resume_arg = resume
+        self._resume = ResumeHooks()
 
     @property
     def seed(self) -> int | None:
@@ -95,6 +114,8 @@ class SyncDDPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         if self._guard is not None and _compat.process_group_backend(self) == "nccl":
             configure_nccl_flight_recorder()  # read by NCCL at process-group creation: set it first
+        init_process_group_after_restart(_compat.process_group_backend(self), _compat.process_group_timeout(self),
+                                         self.root_device if self.root_device.type != "cpu" else None)
         super().setup_distributed()
         self._peers = gather_peers()  # host and address per rank: names a lost peer (on_exception)
         if self._guard is not None:
@@ -119,6 +140,10 @@ class SyncDDPStrategy(DDPStrategy):
 
             if not any(isinstance(cb, GuardChecks) for cb in trainer.callbacks):
                 trainer.callbacks.append(GuardChecks(self.uneven_batches))
+        from lightning_sync.callbacks.resume import ResumeEpochLength
+
+        if not any(isinstance(cb, ResumeEpochLength) for cb in trainer.callbacks):
+            trainer.callbacks.append(ResumeEpochLength())
 
     @override
     def configure_ddp(self) -> None:
@@ -126,13 +151,32 @@ class SyncDDPStrategy(DDPStrategy):
         if self._guard is not None:
             from lightning_sync.callbacks.consistency import warn_if_initial_parameters_differ
 
-            warn_if_initial_parameters_differ(self.model)  # DDP is about to overwrite them with rank 0's
+            warn_if_initial_parameters_differ(self.model, self._ddp_kwargs)  # only what DDP will not overwrite
         super().configure_ddp()
         if self._guard is not None and self.model is not None:
             self._guard.watch_module(self.model)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if self._exact_eval is not None and isinstance(tensor, Tensor):
+            self._check_step_collective("self.log(..., sync_dist=True)")
+            if is_integer_mean(tensor, reduce_op):  # self.log's sample count: a float mean is exact
+                dtype = torch.get_default_dtype() if torch.get_default_dtype() == torch.float64 else torch.float32
+                return self._reduce(tensor.to(dtype), group, reduce_op)
+        return self._reduce(tensor, group, reduce_op)
+
+    def _check_step_collective(self, what: str) -> None:
+        module = self.lightning_module
+        trainer = _compat.attached_trainer(module)
+        if self._exact_eval is not None and trainer is not None:
+            self._exact_eval.check_step_collective(what, _compat.current_hook_name(module), evaluation_limit(trainer))
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        self._check_step_collective("all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def _reduce(self, tensor: Any, group: Any | None, reduce_op: Any) -> Any:
         # One guarded check for Lightning's barrier + all_reduce pair (self.log(sync_dist=True)).
         if self._guard is None or not isinstance(tensor, Tensor):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
@@ -144,6 +188,7 @@ class SyncDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._resume.on_train_start()  # a mid-epoch checkpoint's RNG states, now that the iterator exists
         self._unguard_on_sigterm()
 
     def _unguard_on_sigterm(self) -> None:
@@ -176,8 +221,17 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        trainer = _compat.attached_trainer(self.lightning_module)
+        if self._exact_eval is not None and trainer is not None and self.world_size > 1 and (
+                trainer.sanity_checking or trainer.validating or trainer.testing or trainer.predicting):
+            dataloader = exact_eval_dataloader(dataloader, self.global_rank, self.world_size,
+                                               predicting=trainer.predicting, monitor=self._exact_eval)
         if self._lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
             dataloader.worker_init_fn = WorkerSeeder(self._lineage.root, self.global_rank)  # type: ignore[attr-defined]
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.training:  # the training loader resumes mid-epoch (resume.py)
+            dataloader = make_resumable(dataloader)
+            self._resume.check_training_loader(dataloader)
         return dataloader
 
     # ------------------------------------------------------------------ checkpoints
@@ -202,7 +256,8 @@ class SyncDDPStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None) -> None:
         # Called on every rank by trainer.save_checkpoint; the RNG states come from every rank.
         if self._lineage is not None:
-            state = self._lineage.checkpoint_state()
+            state = self._lineage.checkpoint_state(self._resume.loader_payload(checkpoint),
+                                                   checkpoint.get("global_step"))
             if state is not None:
                 checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -211,6 +266,7 @@ class SyncDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning passes weights_only from 2.6.0 on; older ones have no such parameter.
         checkpoint = super().load_checkpoint(checkpoint_path, **_compat.load_checkpoint_kwargs(weights_only))
+        self._resume.on_load(checkpoint, self.world_size, self.global_rank)  # each rank's loader state
         self._pending_checkpoint_state = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 
@@ -224,12 +280,18 @@ class SyncDDPStrategy(DDPStrategy):
                 assert self.cluster_environment is not None
                 _compat.set_launcher(self, HydraDDPLauncher(self.cluster_environment, self.num_processes,
                                                             self.num_nodes))
+        if self._resume_arg is not None:  # resume="auto": fit without ckpt_path picks the newest checkpoint
+            from lightning_sync.resume import auto_resume_directories, install_auto_resume
+
+            install_auto_resume(self.launcher, auto_resume_directories(self._resume_arg))
 
     # ------------------------------------------------------------------ teardown
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
+        # Every rank raises UnevenEvaluationError at the same point: the group is healthy, tear down cleanly
+        # (a peer that skipped the barrier could re-join the next run's rendezvous on the old store).
+        self._failed = not isinstance(exception, UnevenEvaluationError)
         lost = lost_peer_message(exception, self._peers, self.global_rank)
         if lost:  # gloo only names an address: say which rank(s) that is
             log.error("lightning_sync: %s", lost)

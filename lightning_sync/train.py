@@ -9,7 +9,8 @@ a broadcast root seed, SyncBatchNorm, exact validation metrics (ValidationGather
     lsync-train -m seed=1,2,3 model.lr=0.01,0.1    # a sweep: every job gets its own ranks and directory
 
 Configs: lightning_sync/conf (``lsync-train --help``). Rank 0 prints a summary at the end and writes
-it to <run dir>/summary.json.
+it to <run dir>/summary.json. Console output comes from rank 0 only: the other ranks write their log
+lines and Python warnings to <run dir>/rank<N>.log (their own warnings and errors still reach the console).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,11 +38,15 @@ log = logging.getLogger("lightning_sync.train")
 def train(cfg: DictConfig) -> float:
     """One Hydra job; returns the exact validation accuracy (for sweepers)."""
     started = time.perf_counter()
-    try:
-        check_config(cfg)  # before any process is spawned
-    except ConfigError as err:  # one clear line, no traceback; stops a sweep at its first job
-        raise SystemExit(f"lsync-train: config error: {err}") from None
     run_dir = Path(cfg.run_dir)
+    try:
+        check_config(cfg)  # before any process is spawned (a single run was checked before its dir existed)
+    except ConfigError as err:  # one clear line, no traceback; stops a sweep at its first job
+        message = f"lsync-train: config error: {err}"
+        if global_rank() == 0 and run_dir.is_dir():  # a sweep job: Hydra made its directory already
+            (run_dir / "CONFIG_ERROR.txt").write_text(message + "\n")
+        raise SystemExit(message) from None
+    _console_from_rank_zero_only()
     if global_rank() == 0:
         OmegaConf.save(cfg, run_dir / "config.resolved.yaml", resolve=True)  # once per job
     log.info("rank %d: pid %d, run dir %s, lightning_sync from %s", global_rank(), os.getpid(), run_dir,
@@ -78,13 +84,33 @@ def train(cfg: DictConfig) -> float:
     return acc
 
 
+def _console_from_rank_zero_only() -> None:
+    """One copy of everything on the console: Python warnings go through logging (into every rank's
+    log file); ranks > 0 show only their own warnings and errors on the console; Lightning's product tips are dropped."""
+    logging.captureWarnings(True)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:"))
+    if global_rank() == 0:
+        return
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, logging.FileHandler):  # the console: this rank's own warnings and errors
+            handler.setLevel(logging.WARNING)
+            handler.addFilter(lambda record: record.name != "py.warnings")  # rank 0 shows these already
+
+
 _hydra_main = hydra.main(version_base="1.3", config_path="conf", config_name="train")(train)
 
 
 def main() -> Any:
     """Console script ``lsync-train``; every Hydra command-line option works."""
     os.environ.setdefault(ENTRY_MODULE_ENV, "lightning_sync.train")  # how rank > 0 restarts this job
-    return _hydra_main()
+    try:
+        result = _hydra_main()
+        sys.stdout.flush()
+        return result
+    except BrokenPipeError:  # `lsync-train --help | head`: the reader left; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--max-epochs", type=int, default=10)
     p.add_argument("--stop-after", type=int, default=3, help="rank 0 stops the run after this many epochs")
-    p.add_argument("--ckpt-dir", default="checkpoints")
+    p.add_argument("--ckpt-dir", default="outputs/recipes/broadcast_decision")
     p.add_argument("--show-mistake", action="store_true")
     args = p.parse_args()
 

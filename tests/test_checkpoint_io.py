@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,7 +50,22 @@ def test_atomic_save_replaces_whole_files_and_leaves_no_temp_file(tmp_path: Path
     (path.parent / ".last.ckpt.abc123.lsync-tmp").write_bytes(b"PK\x03\x04 half")
     io.save_checkpoint({"w": torch.ones(2)}, path)
     assert _temp_files(path.parent) == [] and torch.equal(io.load_checkpoint(path)["w"], torch.ones(2))
+    # ... and so is one of another name whose writer on this host is gone; a live writer's is kept
+    host = socket.gethostname().replace(".", "_")
+    gone = _dead_pid()
+    dead = path.parent / f".epoch=0-step=2.ckpt.{host}-{gone}.x1y2z3.lsync-tmp"
+    live = path.parent / f".epoch=0-step=3.ckpt.{host}-{os.getppid()}.a1b2c3.lsync-tmp"
+    dead.write_bytes(b"half")
+    live.write_bytes(b"in progress")
+    io.save_checkpoint({"w": torch.ones(2)}, path)
+    assert _temp_files(path.parent) == [live.name]
     assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
 
 
 def _umask() -> int:
@@ -127,6 +143,7 @@ def test_sigkill_of_rank_0_while_saving_leaves_complete_checkpoints(tmp_path: Pa
         except ProcessLookupError:
             pass
         proc.wait(30)
+        staged = sorted(p.name for p in tmpdir.iterdir())
         shutil.rmtree(tmpdir, ignore_errors=True)
     checkpoints = sorted(ckpt_dir.glob("*.ckpt"))
     assert any(p.name == "last.ckpt" for p in checkpoints)
@@ -134,3 +151,7 @@ def test_sigkill_of_rank_0_while_saving_leaves_complete_checkpoints(tmp_path: Pa
         assert checkpoint_problem(path, verify_data=True) is None, (path.name, checkpoint_problem(path))
         state = AtomicCheckpointIO().load_checkpoint(path)
         assert state["state_dict"]["net.weight"].shape == (4096, 4096)
+    # the killed writer's temporary file goes with the next save into the directory (a resumed run's)
+    atomic_save({"after": 1}, ckpt_dir / "after.ckpt")
+    assert _temp_files(ckpt_dir) == []
+    assert not [name for name in staged if "ckpt" in name or name.startswith("tmp")], staged  # nothing via TMPDIR

@@ -53,7 +53,8 @@ COVERED: list[Covered] = [
     Covered(r"\.venv/bin/python -m pytest( .*)?", "scripts/test.sh", '"$VENV/bin/python" -m pytest'),
     Covered(r"bash scripts/bootstrap\.sh", "scripts/test.sh", "bash scripts/bootstrap.sh"),
     Covered(r"bash scripts/train\.sh( .*)?", "tests/test_docs.py::test_train_script_runs_the_main_job"),
-    Covered(r"pip install (\.|\"\.\[[\w,]+\]\")", "scripts/bootstrap.sh", '-e ".[test,recipes]"'),
+    Covered(r"pip install \.", "tests/test_wheel.py::test_pip_install_then_lsync_train_outside_the_repo"),
+    Covered(r"pip install \"\.\[[\w,]+\]\"", "scripts/bootstrap.sh", '-e ".[test,recipes]"'),
     Covered(r"(\.venv/bin/)?python docs/gen_api\.py( --check)?",
             "tests/test_docs.py::test_api_reference_is_up_to_date"),
 ]

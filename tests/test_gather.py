@@ -111,17 +111,22 @@ def test_recorder_queue_matches_batches_with_prefetch(workers: int) -> None:
 # ---------------------------------------------------------------- RowCollector on real gloo ranks
 
 
-def _rank_rows(rank: int, world: int, n: int, big: bool) -> tuple[list[int], torch.Tensor]:
-    """DistributedSampler-like shard with padding: rank r gets r, r+world, ... wrapped around to world*ceil(n/world)."""
+def _rank_rows(rank: int, world: int, n: int, big: bool, exact: bool) -> tuple[list[int], torch.Tensor]:
+    """DistributedSampler-like shard with padding: rank r gets r, r+world, ... wrapped around to world*ceil(n/world).
+
+    ``exact``: ddp_sync's contiguous unpadded shards instead (already in index order: the no-copy path)."""
     total = -(-n // world) * world
     idx = [(i % n) for i in range(rank, total, world)]
+    if exact:
+        sizes = [n // world + (r < n % world) for r in range(world)]
+        idx = list(range(sum(sizes[:rank]), sum(sizes[:rank + 1])))
     if big:
         idx = [BIG + 3 * i for i in idx]
     return idx, torch.tensor(idx, dtype=torch.float64)
 
 
-def _collect(rank: int, world: int, n: int, dst: int | None, big: bool) -> dict[str, Any] | None:
-    idx, value = _rank_rows(rank, world, n, big)
+def _collect(rank: int, world: int, n: int, dst: int | None, big: bool, exact: bool) -> dict[str, Any] | None:
+    idx, value = _rank_rows(rank, world, n, big, exact)
     c = RowCollector()
     for start in range(0, len(idx), 4):  # batches of 4
         sl = slice(start, start + 4)
@@ -134,7 +139,9 @@ def _collect(rank: int, world: int, n: int, dst: int | None, big: bool) -> dict[
                                       for k, v in out.items()}
 
 
-CONFIGS = ((7, None, False), (1001, None, False), (2, None, False), (11, None, True), (7, -1, False), (11, -1, True))
+CONFIGS = ((7, None, False, False), (1001, None, False, False), (2, None, False, False), (11, None, True, False),
+           (7, -1, False, False), (11, -1, True, False),
+           (7, None, False, True), (1001, None, False, True), (2, None, True, True), (10, -1, False, True))
 MISMATCH = {
     "keys": r"RankMismatchError: .*rank 0 \{p: \(\) float32\}, rank 1 \{extra: \(\) float32, p: \(\) float32\}",
     "shape": r"RankMismatchError: .*rank 0 \{p: \(2,\) float32\}, rank 1 \{p: \(3,\) float32\}",
@@ -173,8 +180,8 @@ def _all_collector_cases(rank: int, world: int) -> dict[str, Any]:
     """Everything in one group launch (each costs seconds on a loaded machine): the group stays
     usable after a mismatch because every rank raises after the same collectives."""
     out: dict[str, Any] = {}
-    for n, dst, big in CONFIGS:
-        out[f"rows {n} {dst} {big}"] = _collect(rank, world, n, None if dst is None else world + dst, big)
+    for n, dst, big, exact in CONFIGS:
+        out[f"rows {n} {dst} {big} {exact}"] = _collect(rank, world, n, None if dst is None else world + dst, big, exact)
     for case in MISMATCH:
         out[case] = _mismatch(rank, world, case)
     rows, counts = C.gather_uneven(torch.full((rank, 2), BIG + rank, dtype=torch.int64), dst=1)
@@ -187,8 +194,8 @@ def test_collector_on_real_ranks(world: int) -> None:
     """Exactly once, in index order, int64 exact, objects aligned; mismatches raise on every rank within seconds."""
     results = run_ranks(_all_collector_cases, world, timeout=240)
     for rank, res in enumerate(results):
-        for n, dst, big in CONFIGS:
-            out = res[f"rows {n} {dst} {big}"]
+        for n, dst, big, exact in CONFIGS:
+            out = res[f"rows {n} {dst} {big} {exact}"]
             if dst is not None and rank != world + dst:
                 assert out is None
                 continue
@@ -267,8 +274,10 @@ def test_fit_validate_test_predict_exact_on_two_ranks(tmp_path: Path) -> None:
             logged = fit["callback_metrics"]
             assert logged[f"val_acc/dataloader_idx_{dl}"] == pytest.approx(acc, abs=1e-6)
             assert logged[f"val_auroc/dataloader_idx_{dl}"] == pytest.approx(auroc, abs=1e-5)
-            # the trap: Lightning's sync_dist mean over the padded set is not the data set's accuracy
-            assert abs(logged[f"val_acc_sync_dist/dataloader_idx_{dl}"] - acc) > 1e-4
+            # ordinary code too: under ddp_sync (exact_eval) the sync_dist batch mean is the data set's accuracy
+            assert logged[f"val_acc_sync_dist/dataloader_idx_{dl}"] == pytest.approx(acc, abs=1e-6)
+            assert logged[f"val_acc_sync_dist/dataloader_idx_{dl}"] == pytest.approx(
+                logged[f"val_acc/dataloader_idx_{dl}"], abs=1e-6)  # what the job logs == ValidationGather's
         assert fit["best_score"] == pytest.approx(fit["callback_metrics"]["val_acc/dataloader_idx_0"])
         # validate: the user's DistributedSampler, shuffled, 2 workers; and drop_last=True
         check_gathered(val["gathered"]["0"], list(range(1001)), val["weights"], 1001)

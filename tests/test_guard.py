@@ -277,7 +277,9 @@ def test_trainer_warnings_and_stop_together(tmp_path: Path) -> None:
     assert r0["error"] is None and r1["error"] is None
     assert r0["steps"] == r1["steps"] == 10  # 5 batches per epoch on both ranks (rank 1 had 6)
     text = "\n".join(r0["warnings"])
-    assert "different initial parameters" in text and "seeds were not synchronised" in text
+    # Per-rank seeds built different weights, but DDP's wrap copies rank 0's: nothing survives, no warning
+    # (tests/test_initial_parameters.py covers the tensors that do survive).
+    assert "different initial" not in text
     assert "uses a RandomSampler, not a DistributedSampler" in text
 
 

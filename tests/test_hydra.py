@@ -118,6 +118,28 @@ def test_main_job_two_ranks(tmp_path: Path) -> None:
     assert (run / "csv" / "version_0" / "metrics.csv").exists()
 
 
+@pytest.mark.slow
+def test_run_until_max_time_with_a_clean_log(tmp_path: Path) -> None:
+    """max_epochs=-1 + max_time trains and stops; stdout is a pipe: plain progress lines, each
+    warning once (rank 0; rank 1's copies go to rank1.log), no product tip, nothing said twice."""
+    run = tmp_path / "run"
+    out = ok(lsync_train("trainer.max_epochs=-1", "trainer.max_time=00:00:00:08", "trainer.limit_train_batches=6",
+                         "trainer.limit_val_batches=1", "callbacks.checkpoint=null", "trainer.enable_checkpointing=false",
+                         "callbacks.progress_bar.every_n_steps=3", f"hydra.run.dir={run}", cwd=tmp_path, timeout=300))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["epochs"] >= 1, summary
+    assert "Time limit reached" in out and "\r" not in out and "Tip:" not in out, out[-3000:]
+    assert "epoch 0 step 3/6 | train/loss=" in out and "epoch 0 done in " in out, out[-3000:]
+    lines = [line.split("] - ", 1)[-1].strip() for line in out.splitlines() if line.strip()]
+    repeated = {line for line in lines if lines.count(line) > 1 and not set(line) <= set("-")}
+    assert not repeated, f"printed twice (rank 1 repeating rank 0?): {repeated}\n{out[-3000:]}"
+    assert "rank 1: pid" not in out and "GLOBAL_RANK: 1" not in out, out[-3000:]  # rank 1's info: its log only
+    rank1 = (run / "rank1.log").read_text()
+    assert "rank 1/2 done" in rank1
+    if "[py.warnings]" in out:  # the third-party warnings both ranks hit: shown by rank 0, kept in rank1.log
+        assert "[py.warnings]" in rank1, rank1
+
+
 def _check_sweep(sweep: Path, lrs: list[float]) -> None:
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert [j.name for j in jobs] == [str(i) for i in range(len(lrs))]
@@ -200,6 +222,53 @@ def test_cluster_mismatch_is_a_config_error(name: str, monkeypatch: pytest.Monke
     with pytest.raises(ConfigError, match="Fix: ") as err:
         check_config(cfg)
     assert message in str(err.value)
+# Every value against the schema (lightning_sync/schema.py), in-process: key, value, why and fix.
+BAD_VALUES = {
+    "model.lr=abc": "model.lr=abc: must be float (the type of DigitsCNN's argument lr). Fix: model.lr=0.1",
+    "model.lr=-0.1": "model.lr=-0.1: must be > 0. Fix: model.lr=0.1",
+    "+model.lrr=0.1": "model.lrr=0.1: DigitsCNN has no argument 'lrr'. Fix: remove it (~model.lrr) or use one of: ",
+    "seed=abc": "seed=abc: must be int. Fix: seed=1234",
+    "seed=-1": "seed=-1: must be in [0, 4294967295]",
+    "trainer.max_epochs=-2": "trainer.max_epochs=-2: must be >= 1, or -1 to train until max_steps/max_time",
+    "trainer.max_time=20s": "trainer.max_time=20s: must be DD:HH:MM:SS",
+    "trainer.devices=auto": "trainer.devices=auto: on CPU Lightning resolves auto to 1 process",
+    "trainer.precision=33": "trainer.precision=33: must be 64 or 32 or 16",
+    "trainer.strategy.seed=x": "trainer.strategy.seed=x: must be int or None",
+    "trainer.limit_train_batches=1.5": "trainer.limit_train_batches=1.5: must be a fraction in [0, 1] or a count",
+    "data.batch_size=0": "data.batch_size=0: must be >= 1. Fix: data.batch_size=32",
+    "data.val_fraction=1.0": "data.val_fraction=1.0: must be in (0, 1)",
+    "callbacks.checkpoint._target_=lightning.pytorch.callbacks.NoSuchCheckpoint":
+        "callbacks.checkpoint._target_=lightning.pytorch.callbacks.NoSuchCheckpoint: cannot import it",
+    "+callbacks.validation_gather.prog_barr=true": "ValidationGather has no argument 'prog_barr'",
+}
+
+
+@pytest.mark.parametrize("override", BAD_VALUES)
+def test_every_value_is_checked_against_the_schema(override: str) -> None:
+    with initialize_config_module("lightning_sync.conf", version_base="1.3"):
+        cfg = compose("train", overrides=[override, "run_dir=/tmp/x"])
+    with pytest.raises(ConfigError, match="Fix: ") as err:
+        check_config(cfg)
+    assert BAD_VALUES[override] in str(err.value)
+
+
+def test_schema_dataclasses_match_the_constructors() -> None:
+    """The job's dataclasses cannot drift from the classes they describe (names and defaults)."""
+    import dataclasses
+    import inspect
+
+    from lightning_sync import data, models, schema
+
+    for cls, config in ((models.DigitsCNN, schema.DigitsCNNConfig), (data.DigitsDataModule, schema.DigitsDataConfig)):
+        params = {n: p.default for n, p in inspect.signature(cls).parameters.items()}
+        assert params == {f.name: f.default for f in dataclasses.fields(config)}, cls
+    trainer = inspect.signature(__import__("lightning").Trainer).parameters
+    assert {f.name for f in dataclasses.fields(schema.TrainerConfig)} <= set(trainer)
+    with initialize_config_module("lightning_sync.conf", version_base="1.3"):
+        cfg = compose("train", overrides=["run_dir=/tmp/x"])
+    assert {f.name for f in dataclasses.fields(schema.JobConfig)} <= set(cfg)
+
+
 # Commands that must succeed without training (run in the same batch to share the import time).
 GOOD = {
     "help": (["--help"], "lsync-train: the lightning_sync main job"),
@@ -228,4 +297,11 @@ def test_bad_configs_fail_fast_with_the_fix_and_help_works(tmp_path: Path) -> No
         assert proc.returncode not in (0, 124, 137), f"{name}: exit {proc.returncode}\n{out[-3000:]}"
         assert "Fix:" in out or name == "unknown_option", out[-2000:]
         assert not list((tmp_path / name).rglob("rank1.log")), f"{name}: a rank was spawned"
+        if name != "unknown_option":  # refused before Hydra made the run directory
+            assert not (tmp_path / name / "run").exists(), f"{name}: a run directory was left behind"
     assert time.monotonic() - started < 150
+    # `lsync-train --help | head -1`: the reader leaves early; no BrokenPipeError traceback
+    piped = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m lightning_sync.train --help | head -1"],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert piped.stdout.startswith("lsync-train: the lightning_sync main job"), piped.stdout
+    assert "Error" not in piped.stderr and "Traceback" not in piped.stderr, piped.stderr

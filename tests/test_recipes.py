@@ -17,6 +17,7 @@ import ast
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -245,6 +246,47 @@ def test_predict_to_parquet_index_once_in_order(tmp_path: Path) -> None:
     found = re.search(r"max \|probs - single-process probs\| " + NUM, out)
     assert found and float(found.group(1)) < 1e-6, out
     assert (tmp_path / "p.manifest.json").is_file() and not (tmp_path / "p.parts").exists()
+
+
+def header_commands() -> list[str]:
+    """Every launch command in the recipes' docstrings, exactly as written (comments dropped)."""
+    commands = []
+    for recipe in sorted(RECIPES.glob("*.py")):
+        doc = ast.get_docstring(ast.parse(recipe.read_text())) or ""
+        commands += [line.split("#")[0].strip() for line in doc.splitlines() if re.match(r"\s*(python|torchrun) ", line)]
+    return commands
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_header_commands_run_as_written(tmp_path: Path) -> None:
+    """What a new user does after `bash scripts/train.sh` and `source .venv/bin/activate`: paste each
+    recipe's header command in a clone. GPU commands need GPUs and are left out here. Nothing may be
+    written outside outputs/ (git-ignored)."""
+    commands = [c for c in header_commands() if "--accelerator gpu" not in c]
+    assert len(commands) >= 9, commands
+    clone = tmp_path / "clone"
+    shutil.copytree(RECIPES, clone / "recipes", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env |= {"OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"}
+    failures: list[str] = []
+    pending, running = list(commands), []
+    while pending or running:
+        while pending and len(running) < 2:  # two at a time: each is mostly start-up
+            command = pending.pop(0)
+            running.append((command, subprocess.Popen(["timeout", "-k", "5", str(TIMEOUT), "bash", "-c", command],
+                                                      cwd=clone, env=env, stdout=subprocess.PIPE,
+                                                      stderr=subprocess.STDOUT, text=True)))
+        command, proc = running.pop(0)
+        out, _ = proc.communicate(timeout=TIMEOUT + 30)
+        if proc.returncode != 0:
+            failures.append(f"$ {command}\nexit {proc.returncode}\n{out[-3000:]}")
+        elif "different initial" in out:
+            failures.append(f"$ {command}\nwarned about initial parameters DDP overwrites anyway:\n{out[-3000:]}")
+    assert not failures, "\n\n".join(failures)
+    written = sorted(str(p.relative_to(clone)) for p in clone.iterdir() if p.name not in ("recipes", "outputs"))
+    assert not written, f"recipes wrote outside outputs/: {written}"
+    assert (clone / "outputs" / "recipes" / "broadcast_decision" / "best.ckpt").is_file()
 
 
 # ------------------------------------------------------------------ launch recipes (two-node test cluster)

@@ -25,7 +25,12 @@ __all__ = [
     "PathLike",
     "StrategyRegistryType",
     "SubprocessScriptLauncher",
+    "attached_trainer",
     "check_can_spawn_children",
+    "dataloader_with_batch_sampler",
+    "index_batch_sampler",
+    "unwrap_index_batch_sampler",
+    "wrapped_sampler",
     "current_hook_name",
     "launch_process_observer",
     "loop_dataloaders",
@@ -34,11 +39,13 @@ __all__ = [
     "logged_keys",
     "process_group_backend",
     "seen_batch_indices",
+    "process_group_timeout",
     "set_launcher",
     "set_layer_sync",
     "set_num_threads_if_needed",
     "start_method",
     "stop_epoch_after",
+    "train_combined_loader",
 ]
 
 LIGHTNING_VERSION = Version(lightning.__version__)
@@ -58,6 +65,11 @@ else:
 def process_group_backend(strategy: DDPStrategy) -> str:
     """The backend the strategy will create its process group with (also before it exists)."""
     return str(strategy._get_process_group_backend())
+
+
+def process_group_timeout(strategy: DDPStrategy) -> Any:
+    """The ``timeout`` the strategy creates its process group with (a ``timedelta``)."""
+    return strategy._timeout
 
 
 def current_hook_name(module: object) -> str | None:
@@ -95,6 +107,71 @@ def load_checkpoint_kwargs(weights_only: bool | None) -> dict[str, Any]:
     return {"weights_only": weights_only}
 
 
+def attached_trainer(module: object) -> Any:
+    """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises instead)."""
+    return getattr(module, "_trainer", None)
+
+
+# --------------------------------------------------------------------------- evaluation loaders (exact_eval)
+
+
+def index_batch_sampler(batch_sampler: Any) -> Any:
+    """Wrap a batch sampler as Lightning does for prediction loaders (it records each batch's indices)."""
+    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+
+    return _IndexBatchSamplerWrapper(batch_sampler)
+
+
+def unwrap_index_batch_sampler(batch_sampler: Any) -> Any:
+    """The batch sampler inside Lightning's prediction index wrapper (itself when not wrapped)."""
+    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+
+    return batch_sampler._batch_sampler if isinstance(batch_sampler, _IndexBatchSamplerWrapper) else batch_sampler
+
+
+def wrapped_sampler(sampler: Any) -> Any:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` family, or None.
+
+    The wrappers shard a ``_DatasetSamplerWrapper`` "dataset" that holds the sampler as ``_sampler``.
+    """
+    from lightning.fabric.utilities.distributed import _DatasetSamplerWrapper
+
+    dataset = getattr(sampler, "dataset", None)
+    return dataset._sampler if isinstance(dataset, _DatasetSamplerWrapper) else None
+
+
+def dataloader_with_batch_sampler(dataloader: Any, batch_sampler: Any) -> Any:
+    """A copy of ``dataloader`` (its class and arguments, as Lightning re-creates loaders) with ``batch_sampler``."""
+    import copy
+
+    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+
+    inner = unwrap_index_batch_sampler(dataloader.batch_sampler)
+    if inner is not dataloader.batch_sampler:
+        # Lightning's prediction loader (its own copy) wraps a plain BatchSampler; let the re-instantiation see
+        # the plain one, which it knows how to handle (DataLoader refuses attribute assignment after __init__)
+        dataloader = copy.copy(dataloader)
+        object.__setattr__(dataloader, "batch_sampler", inner)
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, inner.sampler)
+    kwargs.update(sampler=None, shuffle=False, batch_sampler=batch_sampler, batch_size=1, drop_last=False)
+    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def _exact_eval_names_fit() -> bool:
+    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    inner = SequentialSampler(range(3))
+    wrapper = DistributedSamplerWrapper(inner, num_replicas=1, rank=0)
+    return (wrapped_sampler(wrapper) is inner and callable(_reinstantiate_wrapped_cls)
+            and {"dataloader", "sampler", "mode"} <= _params(_get_dataloader_init_args_and_kwargs)
+            and unwrap_index_batch_sampler(_IndexBatchSamplerWrapper(BatchSampler(inner, 2, False))).batch_size == 2)
+
+
 # --------------------------------------------------------------------------- trainer loops
 
 
@@ -106,6 +183,15 @@ def stop_epoch_after(trainer: Any, batches: int, val_check_batch: int | None) ->
     trainer.fit_loop.max_batches = batches
     if val_check_batch is not None:
         trainer.val_check_batch = val_check_batch
+
+
+def train_combined_loader(trainer: Any) -> Any:
+    """The fit loop's ``CombinedLoader`` (its ``limits`` hold the batch count of each training loader).
+
+    ``trainer.train_dataloader`` gives the loaders but not their limits; a resume on another world
+    size re-counts them (``lightning_sync.resume.EpochLengthSync``).
+    """
+    return trainer.fit_loop._combined_loader
 
 
 def logged_keys(trainer: Any) -> list[str]:
@@ -188,6 +274,11 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("lightning.pytorch.loops._FitLoop.max_batches and Trainer.val_check_batch",
                "uneven_batches='stop_together'",
                lambda: hasattr(_trainer().fit_loop, "max_batches") and hasattr(_trainer(), "val_check_batch")),
+    TouchPoint("lightning.pytorch.loops._FitLoop._combined_loader (CombinedLoader.limits)",
+               "resume on another world size: batch count of later epochs",
+               lambda: hasattr(_trainer().fit_loop, "_combined_loader")),
+    TouchPoint("lightning.pytorch.strategies.DDPStrategy._timeout", "torchrun restart: process group timeout",
+               lambda: "_timeout" in _ddp_vars()),
     TouchPoint("lightning.pytorch.Trainer._results", "logged keys compared across ranks",
                lambda: hasattr(_trainer(), "_results")),
     TouchPoint("lightning.fabric.strategies.launchers.subprocess_script._launch_process_observer",
@@ -205,6 +296,12 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("lightning.pytorch.overrides.distributed._IndexBatchSamplerWrapper.seen_batch_indices",
                "PredictionWriter empties it (it keeps every index of the epoch) when nothing reads it",
                _wrapper_keeps_indices),
+    TouchPoint("lightning.pytorch.LightningModule._trainer", "exact_eval: the trainer state before attaching",
+               lambda: "_trainer" in vars(__import__("lightning.pytorch", fromlist=["LightningModule"]).LightningModule())),
+    TouchPoint("lightning.pytorch.utilities.data._get_dataloader_init_args_and_kwargs, "
+               "lightning.fabric.utilities.data._reinstantiate_wrapped_cls, _IndexBatchSamplerWrapper._batch_sampler, "
+               "_DatasetSamplerWrapper._sampler", "exact_eval: evaluation loaders re-cut with an exact batch sampler",
+               _exact_eval_names_fit),
     TouchPoint("lightning.fabric.strategies.registry._StrategyRegistry", "type of StrategyRegistry (annotations)",
                lambda: callable(getattr(StrategyRegistry, "register", None))
                and {"name", "strategy", "description", "override"} <= _params(StrategyRegistry.register)),

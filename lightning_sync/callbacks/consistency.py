@@ -4,12 +4,14 @@
   parameter, buffer (and optionally optimizer-state) checksums across ranks with one small gather.
 * :class:`GuardChecks`: added by ``strategy="ddp_sync"`` while its guard is on; checks the
   training sampler, per-rank batch counts and the set of logged keys.
-* :func:`warn_if_initial_parameters_differ`: called by the strategy just before the DDP wrap.
+* :func:`warn_if_initial_parameters_differ`: called by the strategy just before the DDP wrap; warns
+  only about initial values that differ across ranks and that the wrap does not overwrite.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -87,33 +89,72 @@ def check_replicas(module: torch.nn.Module, buffers: bool = True, optimizer: tor
                 "same updates to every parameter and buffer.", name, values)
 
 
-def warn_if_initial_parameters_differ(module: torch.nn.Module) -> bool:
-    """Before the DDP wrap: warn (on rank 0) when ranks built different initial parameters.
+def _kept_at_wrap(module: torch.nn.Module, ddp_kwargs: Mapping[str, Any] | None) -> dict[str, str]:
+    """Tensors the DDP wrap will NOT overwrite with rank 0's values -> why (torch's init sync rules)."""
+    kwargs = {} if ddp_kwargs is None else dict(ddp_kwargs)
+    ignored = ddp_ignored_names(module)
+    if not kwargs.get("init_sync", True):
+        why = "DDP(init_sync=False) broadcasts nothing at wrap time"
+        return {n: why for n, _ in [*module.named_parameters(), *module.named_buffers()]}
+    buffers_synced = kwargs.get("forward_sync_buffers") is not None or kwargs.get("broadcast_buffers") is not False
+    kept = {n: f"listed in {DDP_IGNORE_ATTR}" for n, _ in
+            [*module.named_parameters(), *module.named_buffers()] if n in ignored}
+    if not buffers_synced:
+        kept |= {n: "a buffer, and DDP runs with broadcast_buffers=False" for n, _ in module.named_buffers()
+                 if n not in kept}
+    return kept
 
-    All ranks must call it. DDP will overwrite every rank's parameters with rank 0's, so training is
-    not affected, but differing initial values mean the ranks' random seeds differ when the model
-    is built, which also breaks anything else that should be identical (data order, masks).
+
+def warn_if_initial_parameters_differ(module: torch.nn.Module, ddp_kwargs: Mapping[str, Any] | None = None,
+                                      wrapped: bool = True) -> list[str]:
+    """Before the DDP wrap: warn (on rank 0) about initial values that differ across ranks AND survive it.
+
+    All ranks must call it (one small gather). DDP's wrap broadcasts rank 0's parameters and buffers,
+    so a model built in ``__init__`` before the process group exists, with a different seed per rank,
+    still starts equal everywhere: no warning. What the wrap leaves alone keeps its per-rank values:
+    parameters and buffers DDP is told to ignore (``DDP_IGNORE_ATTR``), buffers when DDP runs with
+    ``broadcast_buffers=False``, everything with ``init_sync=False`` or without a DDP wrap
+    (``wrapped=False``). Only those are compared, and the warning names each one that differs.
+
+    Args:
+        module: the model about to be wrapped (or a wrapped one).
+        ddp_kwargs: the keyword arguments DDP is built with (``broadcast_buffers``, ``init_sync``, ...).
+        wrapped: False when no DDP wrap follows (every tensor keeps its per-rank value).
 
     Returns:
-        True when the parameters differ.
+        The names of the tensors that differ across ranks and will stay different.
     """
     if not collectives.is_distributed():
-        return False
-    mine = [value for _, value in parameter_checksums(_unwrap(module), buffers=False)]
-    total = math.fsum(abs(v) for v in mine)
-    gathered = collectives.gather_objects((total, mine), safe=True)
+        return []
+    module = _unwrap(module)
+    kept = ({n: "no DDP wrap copies rank 0's values" for n, _ in [*module.named_parameters(),
+                                                                    *module.named_buffers()]}
+            if not wrapped else _kept_at_wrap(module, ddp_kwargs))
+    mine = [(name, value) for name, value in parameter_checksums(module, buffers=True) if name in kept]
+    gathered = collectives.gather_objects(mine, safe=True)
     assert gathered is not None
-    if all(g[1] == gathered[0][1] for g in gathered):
-        return False
+    if all(g == gathered[0] for g in gathered):
+        return []
+    by_rank = [dict(g) for g in gathered]
+    order = [n for n, _ in mine]
+    names = order + sorted(set().union(*by_rank) - set(order))
+    differ = [n for n in names if len({r.get(n) for r in by_rank}) > 1
+              and not all(isinstance(r.get(n), float) and math.isnan(r[n]) for r in by_rank)]
+    if not differ:
+        return []
+    shown = "; ".join(f"{n!r} ({kept.get(n, 'not on every rank')}): checksum "
+                      f"{format_ranks({r: f'{d[n]:.10g}' if n in d else 'missing' for r, d in enumerate(by_rank)})}"
+                      for n in differ[:5])
+    more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""
     rank_zero_warn(
-        "The ranks built the model with different initial parameters (parameter checksum "
-        f"{format_ranks({r: f'{g[0]:.10g}' for r, g in enumerate(gathered)})}). DistributedDataParallel is about to "
-        "overwrite every rank's parameters with rank 0's, so training starts from rank 0's values, but this means the "
-        "random seeds were not synchronised when the model was built (typically a model created before trainer.fit "
-        "with a per-rank or time-based seed). Build the model in configure_model/setup (ddp_sync seeds it from the "
-        "shared root seed) or seed every rank identically before building it."
+        f"The ranks built the model with different initial values in {len(differ)} tensor(s) that the DDP wrap does "
+        f"not overwrite with rank 0's, so they stay different on every rank: {shown}{more}. The random seeds were "
+        "not synchronised when the model was built (typically a per-rank or time-based seed before trainer.fit). "
+        "Build these tensors in configure_model/setup (ddp_sync seeds them from the shared root seed), seed every "
+        "rank identically before building the model, or copy rank 0's values yourself "
+        "(torch.distributed.broadcast)."
     )
-    return True
+    return differ
 
 
 def _loaders(trainer: pl.Trainer) -> list[Any]:

@@ -1,0 +1,305 @@
+"""Exact evaluation sharding: every dataset index on exactly one rank, once, in equal step counts.
+
+Lightning's evaluation ``DistributedSampler`` pads each rank to the same length by repeating
+samples (1001 samples on 2 ranks: one is evaluated twice), so epoch values of ``self.log`` and of
+torchmetrics objects differ from one process on the whole set. Under ``ddp_sync`` with
+``exact_eval=True`` the strategy hands every evaluation loader (validate, test, fit's validation,
+predict) to :func:`exact_eval_dataloader`, which keeps the loader's sample order (shuffled or not,
+the user's own ``DistributedSampler``, a custom sampler inside Lightning's
+``DistributedSamplerWrapper``) and replaces only how it is cut:
+
+* rank ``r`` gets a contiguous block of that order, ``N // W`` samples or one more (no padding);
+* every rank runs the same number of steps, ``ceil(N / (W * B))``, wherever that is possible
+  (``N >= W`` and ``B > 1``): the last batches of some ranks are smaller;
+* where it is impossible (batch size 1 and ``N % W != 0``) the ranks' step counts differ by one;
+  :class:`ExactEvaluation` knows every rank's count without communicating, and a per-step
+  collective inside an evaluation step raises :class:`~lightning_sync.UnevenEvaluationError` on
+  every rank at once instead of hanging. Epoch-end values stay exact.
+
+The planning functions (:func:`shard_sizes`, :func:`batch_sizes`, :func:`plan_steps`,
+:func:`global_order`) work on plain torch samplers and are meant to be reused (training-sampler
+state, prediction writing); Lightning's private loader names live in ``lightning_sync._compat``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from lightning_sync._compat import lightning_api as _compat
+from lightning_sync.errors import UnevenEvaluationError, format_ranks
+
+__all__ = [
+    "EVALUATION_STEP_HOOKS",
+    "ExactEvalBatchSampler",
+    "ExactEvaluation",
+    "StepPlan",
+    "batch_sizes",
+    "exact_eval_dataloader",
+    "global_order",
+    "plan_steps",
+    "shard_sizes",
+]
+
+EVALUATION_STEP_HOOKS = ("validation_step", "test_step", "predict_step")
+
+
+def shard_sizes(num_samples: int, world_size: int) -> list[int]:
+    """Balanced contiguous shard sizes: ``num_samples // world_size``, the first ranks one more."""
+    base, extra = divmod(num_samples, world_size)
+    return [base + (rank < extra) for rank in range(world_size)]
+
+
+def batch_sizes(count: int, steps: int, batch_size: int) -> list[int]:
+    """Cut ``count`` samples into exactly ``steps`` batches of at most ``batch_size``, none empty.
+
+    Full batches first; the last ones shrink so that every batch keeps at least one sample.
+    Requires ``steps <= count <= steps * batch_size``.
+    """
+    if not steps <= count <= steps * batch_size:
+        raise ValueError(f"batch_sizes: {count} samples cannot fill {steps} batches of 1..{batch_size}.")
+    sizes = []
+    remaining = count
+    for step in range(steps):
+        size = min(batch_size, remaining - (steps - step - 1))
+        sizes.append(size)
+        remaining -= size
+    return sizes
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How ``num_samples`` are cut across ranks.
+
+    Attributes:
+        counts: samples per rank (contiguous blocks of the epoch's order, in rank order).
+        batches: batch sizes per rank.
+        even: every rank runs the same number of steps.
+    """
+
+    num_samples: int
+    batch_size: int
+    counts: tuple[int, ...]
+    batches: tuple[tuple[int, ...], ...]
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        return tuple(len(b) for b in self.batches)
+
+    @property
+    def even(self) -> bool:
+        return len(set(self.steps)) == 1
+
+    def start(self, rank: int) -> int:
+        return sum(self.counts[:rank])
+
+
+def plan_steps(num_samples: int, world_size: int, batch_size: int) -> StepPlan:
+    """Plan exact sharding with equal step counts wherever possible.
+
+    Equal counts need every rank to hold at least ``ceil(N / (W * B))`` samples, which holds for
+    every ``N >= W`` when ``B >= 2``; otherwise each rank cuts its block into full batches.
+    """
+    if world_size < 1 or batch_size < 1 or num_samples < 0:
+        raise ValueError(f"plan_steps: need world_size >= 1, batch_size >= 1, num_samples >= 0; got "
+                         f"{world_size}, {batch_size}, {num_samples}.")
+    counts = shard_sizes(num_samples, world_size)
+    steps = math.ceil(num_samples / (world_size * batch_size))
+    if min(counts) >= steps:
+        batches = [tuple(batch_sizes(c, steps, batch_size)) for c in counts]
+    else:
+        batches = [tuple([batch_size] * (c // batch_size) + ([c % batch_size] if c % batch_size else []))
+                   for c in counts]
+    return StepPlan(num_samples, batch_size, tuple(counts), tuple(batches))
+
+
+def global_order(sampler: DistributedSampler[Any]) -> list[int]:
+    """The order of the whole epoch that ``sampler`` shards (identical on every rank).
+
+    A plain ``DistributedSampler``: ``range(N)``, or a permutation drawn from ``seed + epoch``.
+    Lightning's sampler wrappers: the wrapped sampler's indices, materialised under an RNG seeded
+    from ``seed + epoch`` (so a sampler drawing from the global RNG agrees across ranks, whose own
+    streams differ under ``ddp_sync``), then permuted the same way when the wrapper shuffles.
+    """
+    inner = _compat.wrapped_sampler(sampler)
+    num = len(sampler.dataset)  # type: ignore[arg-type]
+    if isinstance(inner, RandomSampler) and not inner.replacement and inner.num_samples == len(inner.data_source):
+        inner, shuffle = None, True
+    elif isinstance(inner, SequentialSampler):
+        inner, shuffle = None, bool(sampler.shuffle)
+    else:
+        shuffle = bool(sampler.shuffle)
+    if shuffle:
+        g = torch.Generator()
+        g.manual_seed(sampler.seed + sampler.epoch)
+        positions: list[int] = torch.randperm(num, generator=g).tolist()
+    else:
+        positions = list(range(num))
+    if inner is None:
+        return positions
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(sampler.seed + sampler.epoch)
+        materialised = list(inner)
+    return [materialised[p] for p in positions]
+
+
+class ExactEvalBatchSampler:
+    """Yields this rank's batches of the exact plan; ``sampler`` is the distributed sampler it shards.
+
+    Lightning's ``set_epoch`` reaches ``sampler`` (``dataloader.batch_sampler.sampler``), so a
+    shuffled evaluation order changes per epoch exactly as with the sampler alone.
+    """
+
+    def __init__(self, sampler: DistributedSampler[Any], batch_size: int, rank: int, world_size: int,
+                 monitor: ExactEvaluation | None = None, name: str = "") -> None:
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = False
+        self.rank = rank
+        self.world_size = world_size
+        self.monitor = monitor
+        self.name = name
+        self.plan = plan_steps(len(sampler.dataset), world_size, batch_size)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return self.plan.steps[self.rank]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.monitor is not None:
+            self.monitor.started(self)
+        order = global_order(self.sampler)
+        position = self.plan.start(self.rank)
+        for size in self.plan.batches[self.rank]:
+            yield order[position:position + size]
+            position += size
+
+
+class ExactEvaluation:
+    """The exact-evaluation state of one strategy: which loader runs, and whether steps pair.
+
+    The batch sampler of the running loader reports here when its epoch starts (in the main
+    process, also with workers); :meth:`check_step_collective` raises when a per-step collective
+    in an evaluation step could not pair because the ranks' step counts differ.
+    """
+
+    def __init__(self) -> None:
+        self.current: ExactEvalBatchSampler | None = None
+        self.limits: Sequence[int | float] = ()
+
+    def started(self, batch_sampler: ExactEvalBatchSampler) -> None:
+        self.current = batch_sampler
+
+    def check_step_collective(self, what: str, fx_name: str | None, limit: int | float | None = None) -> None:
+        """Raise :class:`UnevenEvaluationError` if ``what`` runs in an evaluation step whose ranks differ in steps.
+
+        Args:
+            what: the collective, for the message (``"self.log(..., sync_dist=True)"``).
+            fx_name: the LightningModule hook running now.
+            limit: the trainer's batch limit for this loader (``limit_val_batches`` or the
+                sanity-check steps); step counts are compared after it.
+        """
+        if fx_name not in EVALUATION_STEP_HOOKS or self.current is None:
+            return
+        plan = self.current.plan
+        steps = [_limited(s, limit) for s in plan.steps]
+        if len(set(steps)) == 1:
+            return
+        raise UnevenEvaluationError(
+            f"{what} in {fx_name}: ranks run different numbers of evaluation steps ({format_ranks(steps)}): "
+            f"{plan.num_samples} samples in batches of {plan.batch_size} cannot be cut into equal step counts "
+            f"on {len(steps)} ranks without repeating a sample, so this per-step collective would hang. "
+            "Epoch values stay exact. Fix: log with on_step=False (the default in evaluation; the epoch value "
+            "is reduced once, exactly), use a batch size of 2 or more, or pass "
+            "SyncDDPStrategy(exact_eval=False) for Lightning's padded sampler (some samples counted twice).",
+            values=dict(enumerate(steps)),
+        )
+
+
+def _limited(steps: int, limit: int | float | None) -> int:
+    # Lightning's limit_*_batches: an int caps the steps, a float in (0, 1] keeps that fraction of them.
+    if limit is None or isinstance(limit, float) and (limit >= 1.0 or math.isinf(limit)):
+        return steps
+    if isinstance(limit, float):
+        return int(steps * limit)
+    return min(steps, int(limit))
+
+
+def _distributed_sampler(dataloader: DataLoader[Any]) -> tuple[DistributedSampler[Any] | None, Any]:
+    """The loader's distributed sampler and its plain ``BatchSampler`` (unwrapping Lightning's index wrapper)."""
+    inner_batch_sampler = _compat.unwrap_index_batch_sampler(dataloader.batch_sampler)
+    if type(inner_batch_sampler) is not BatchSampler or inner_batch_sampler.drop_last:
+        return None, None
+    sampler = inner_batch_sampler.sampler
+    if not isinstance(sampler, DistributedSampler):
+        return None, None
+    return sampler, inner_batch_sampler
+
+
+def _shardable(sampler: DistributedSampler[Any], rank: int, world_size: int) -> bool:
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler, UnrepeatedDistributedSamplerWrapper
+
+    known_iters = {cls.__iter__ for cls in (DistributedSampler, DistributedSamplerWrapper, UnrepeatedDistributedSampler,
+                                            UnrepeatedDistributedSamplerWrapper)}
+    return (type(sampler).__iter__ in known_iters and not sampler.drop_last
+            and sampler.num_replicas == world_size and sampler.rank == rank)
+
+
+def exact_eval_dataloader(dataloader: object, rank: int, world_size: int, predicting: bool = False,
+                          monitor: ExactEvaluation | None = None) -> object:
+    """Return ``dataloader`` re-cut by :class:`ExactEvalBatchSampler`, or unchanged if it cannot be.
+
+    Unchanged: not a ``DataLoader``, no ``DistributedSampler`` (iterable datasets, a user's sharding),
+    a custom batch sampler or ``drop_last=True`` (batches are the user's), a ``DistributedSampler``
+    subclass with its own ``__iter__``, or one built for another rank/world size.
+
+    Raises:
+        UnevenEvaluationError: fewer samples than ranks (a rank would have none), on every rank.
+    """
+    if not isinstance(dataloader, DataLoader):
+        return dataloader
+    sampler, inner_batch_sampler = _distributed_sampler(dataloader)
+    if sampler is None or not _shardable(sampler, rank, world_size):
+        return dataloader
+    num = len(sampler.dataset)  # type: ignore[arg-type]
+    if 0 < num < world_size:
+        raise UnevenEvaluationError(
+            f"exact evaluation: the evaluation dataset has {num} samples for {world_size} ranks: "
+            f"{world_size - num} rank(s) would get none, and Lightning cannot run an evaluation loop on an empty "
+            f"shard. Fix: evaluate on at most {num} devices, or pass SyncDDPStrategy(exact_eval=False) for "
+            "Lightning's padded sampler (samples repeated).",
+            values=dict(enumerate(shard_sizes(num, world_size))),
+        )
+    batch_sampler: Any = ExactEvalBatchSampler(sampler, inner_batch_sampler.batch_size, rank, world_size, monitor)
+    if predicting:
+        batch_sampler = _compat.index_batch_sampler(batch_sampler)  # Lightning's prediction index tracking
+    return _compat.dataloader_with_batch_sampler(dataloader, batch_sampler)
+
+
+def evaluation_limit(trainer: Any) -> int | float | None:
+    """The batch limit the running evaluation loop applies per rank (sanity steps or ``limit_*_batches``)."""
+    if trainer is None:
+        return None
+    if trainer.sanity_checking:
+        return int(trainer.num_sanity_val_steps)
+    if trainer.testing:
+        return trainer.limit_test_batches  # type: ignore[no-any-return]
+    if trainer.predicting:
+        return trainer.limit_predict_batches  # type: ignore[no-any-return]
+    return trainer.limit_val_batches  # type: ignore[no-any-return]
+
+
+def is_integer_mean(tensor: torch.Tensor, reduce_op: Any) -> bool:
+    """``self.log``'s sample count reduced with "mean": an integer tensor Lightning would truncate.
+
+    Lightning's epoch mean is ``reduce(sum of value * batch_size) / reduce(sum of batch_size)``, both
+    with ``reduce_op="mean"``; on gloo the integer count's mean is truncated (1001 samples on 2 ranks:
+    500, not 500.5; Lightning #21859), which skews the epoch value. Reducing it as a float is exact.
+    """
+    op = reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1]
+    return op.lower() in ("mean", "avg") and not (tensor.is_floating_point() or tensor.is_complex())

@@ -1,0 +1,231 @@
+"""Mid-epoch resume under ddp_sync: sampler arithmetic (no processes), then real 2- and 3-rank fits.
+
+The fits run tests/scripts/fit_resume.py: an uninterrupted run, a run stopped inside an epoch with
+ModelCheckpoint(every_n_train_steps=...), and its resume; each training step records the epoch, the
+batch's dataset indices and the augmentation drawn in ``__getitem__``; final weights per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from lightning_sync.errors import ResumeError
+from lightning_sync.resume import ResumableDistributedSampler, find_resume_checkpoint
+
+SCRIPT = Path(__file__).parent / "scripts" / "fit_resume.py"
+N = 50  # fit_resume.py's data set size
+
+pytest.importorskip("torchdata.stateful_dataloader")
+
+
+# ------------------------------------------------------------------------------ sampler arithmetic
+
+
+def _samplers(n: int, world: int, **kwargs: object) -> list[ResumableDistributedSampler]:
+    return [ResumableDistributedSampler(list(range(n)), num_replicas=world, rank=r, seed=3, **kwargs)  # type: ignore[arg-type]
+            for r in range(world)]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_sampler_equals_torch_distributed_sampler(drop_last: bool) -> None:
+    for rank in range(3):
+        ours = ResumableDistributedSampler(list(range(50)), num_replicas=3, rank=rank, seed=3,  # type: ignore[arg-type]
+                                           drop_last=drop_last)
+        theirs = DistributedSampler(list(range(50)), num_replicas=3, rank=rank, seed=3,  # type: ignore[arg-type]
+                                    drop_last=drop_last)
+        for epoch in (0, 1):
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert list(ours) == list(theirs) and len(ours) == len(theirs)
+
+
+def _take(sampler: ResumableDistributedSampler, k: int) -> list[int]:
+    it = iter(sampler)
+    return [next(it) for _ in range(k)]
+
+
+def test_sampler_state_same_world_continues_exactly() -> None:
+    for rank, sampler in enumerate(_samplers(50, 2)):
+        sampler.set_epoch(1)
+        whole = list(sampler)
+        head = _take(sampler, 12)
+        state = sampler.state_dict()
+        resumed = ResumableDistributedSampler(list(range(50)), num_replicas=2, rank=rank)  # type: ignore[arg-type]
+        resumed.load_state_dict(state)
+        resumed.set_epoch(1)  # Lightning sets the same epoch again: the position is kept
+        assert head + list(resumed) == whole
+
+
+@pytest.mark.parametrize(("old", "new", "n"), [(2, 3, 50), (3, 2, 50), (4, 3, 11), (2, 5, 51)])
+def test_sampler_reshard_sees_every_remaining_sample_once(old: int, new: int, n: int) -> None:
+    before = _samplers(n, old)
+    seen = Counter()
+    for s in before:
+        s.set_epoch(2)
+        seen.update(_take(s, min(2, len(s))))
+    state = before[0].state_dict()
+    after = _samplers(n, new)
+    rest = Counter()
+    for s in after:
+        s.load_state_dict(state)
+        rest.update(list(s))
+    assert len({len(s) for s in after}) == 1, "ranks would take different numbers of steps"
+    assert set(seen) | set(rest) == set(range(n)) and not set(seen) & set(rest)
+    assert sum(rest.values()) - len(rest) <= new - 1
+    for s in after:  # the next epoch is a normal one again
+        s.set_epoch(3)
+    epoch3 = Counter(i for s in after for i in s)
+    assert set(epoch3) == set(range(n)) and sum(epoch3.values()) - n <= new - 1
+
+
+def test_sampler_complete_epoch_resumes_at_next_epoch() -> None:
+    s = _samplers(10, 2)[0]
+    s.set_epoch(4)
+    list(s)
+    t = _samplers(10, 2)[0]
+    t.load_state_dict(s.state_dict())
+    s.set_epoch(5)
+    assert t.epoch == 5 and list(t) == list(s)
+
+
+def test_sampler_rejects_other_dataset_length() -> None:
+    state = _samplers(50, 2)[0].state_dict()
+    with pytest.raises(ResumeError, match=r"has 49 samples, the checkpoint's had 50.*same data set"):
+        _samplers(49, 2)[0].load_state_dict(state)
+
+
+# ----------------------------------------------------------------------- damaged checkpoint files
+
+
+def test_auto_resume_skips_a_damaged_newest_checkpoint_and_keeps_it(tmp_path: Path) -> None:
+    good = tmp_path / "run" / "epoch=0-step=5.ckpt"
+    good.parent.mkdir()
+    torch.save({"state_dict": {}, "loops": {}}, good)
+    bad = tmp_path / "run" / "last.ckpt"
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])  # a write cut short by a kill
+    os.utime(good, (1, 1))  # the damaged one is the newest
+    assert find_resume_checkpoint([tmp_path / "run"]) == good
+    assert bad.exists() and good.exists()
+    assert find_resume_checkpoint([tmp_path / "missing"]) is None
+
+
+# ------------------------------------------------------------------------------- real rank fits
+
+
+def _launch(out: Path, plan: str, *args: str, devices: int = 2, timeout: int = 400) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = ["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPT), "--out", str(out), "--plan", plan,
+           "--devices", str(devices), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 20)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def _steps(run: Path, world: int) -> list[list]:
+    return [json.loads((run / f"rank{r}.json").read_text())["steps"] for r in range(world)]
+
+
+def _weights_equal(a: Path, b: Path, world: int) -> bool:
+    for r in range(world):
+        x, y = torch.load(a / f"rank{r}.pt"), torch.load(b / f"rank{r}.pt")
+        if not all(torch.equal(x[k], y[k]) for k in x):
+            return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_mid_epoch_resume_is_exact_with_and_without_workers(tmp_path: Path) -> None:
+    """2 ranks, 3 epochs of 7 steps; stopped at step 10 (epoch 1, step 3), resumed from that checkpoint."""
+    plan = ",".join(f"full:3@{t},stop:3:10:5@{t}stop,resume:3:{t}stop@{t}resume" for t in ("w0", "w2p"))
+    _launch(tmp_path, plan)
+    for tag in ("w0", "w2p"):
+        full, stop, resumed = (_steps(tmp_path / f"{tag}{s}", 2) for s in ("", "stop", "resume"))
+        for r in range(2):
+            assert stop[r] == full[r][:10]
+            assert resumed[r] == full[r][10:], f"{tag} rank {r}: the resumed batches differ"
+        assert full[0][10][0] == 1 and full[0][10] != full[1][10]  # mid-epoch; ranks differ
+        assert _weights_equal(tmp_path / tag, tmp_path / f"{tag}resume", 2), f"{tag}: final weights differ"
+
+
+def _epoch_samples(steps: list[list], epoch: int) -> Counter:
+    return Counter(i for rank_steps in steps for e, idx, _ in rank_steps if e == epoch for i in idx)
+
+
+@pytest.fixture(scope="module")
+def stopped_2ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-rank run stopped at step 10 (inside epoch 1) with its checkpoint in <dir>/stop/last.ckpt."""
+    out = tmp_path_factory.mktemp("stopped")
+    _launch(out, "stop:3:10:10", devices=2)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_resume_on_another_world_size_loses_no_sample(tmp_path: Path, stopped_2ranks: Path) -> None:
+    """2 -> 3 ranks and 3 -> 2 ranks, each from a checkpoint inside epoch 1."""
+    (tmp_path / "a").symlink_to(stopped_2ranks)
+    ckpt2 = tmp_path / "a" / "stop" / "last.ckpt"
+    _launch(tmp_path / "b", f"resume:3:{ckpt2},stop:3:7:7@stop3", devices=3)
+    _launch(tmp_path / "c", f"resume:3:{tmp_path / 'b' / 'stop3' / 'last.ckpt'}", devices=2)
+    for before, world_before, after, world_after in ((tmp_path / "a" / "stop", 2, tmp_path / "b" / "resume", 3),
+                                                     (tmp_path / "b" / "stop3", 3, tmp_path / "c" / "resume", 2)):
+        seen, rest = _epoch_samples(_steps(before, world_before), 1), _epoch_samples(_steps(after, world_after), 1)
+        assert not set(seen) & set(rest), "a sample seen before the checkpoint came again"
+        assert set(seen) | set(rest) == set(range(N)), "samples of the interrupted epoch were lost"
+        assert sum(rest.values()) - len(rest) <= world_after - 1
+        steps_after = _steps(after, world_after)
+        assert len({sum(1 for s in rank if s[0] == 1) for rank in steps_after}) == 1
+        epoch2 = _epoch_samples(steps_after, 2)
+        assert set(epoch2) == set(range(N)) and sum(epoch2.values()) - N <= world_after - 1
+        seeds = {json.loads((after / f"rank{r}.json").read_text())["seed"] for r in range(world_after)}
+        assert seeds == {1234}, "the checkpoint's root seed must carry over"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_torchrun_restart_after_sigkill_resumes_to_equal_weights(tmp_path: Path) -> None:
+    """torchrun --max-restarts=1; rank 1 SIGKILLs itself at step 12 of the first attempt; resume='auto'."""
+    _launch(tmp_path / "ref", "full:3")
+    out = tmp_path / "elastic"
+    out.mkdir()
+    cmd = ["timeout", "-k", "5", "500", sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "--max-restarts=1", str(SCRIPT), "--out", str(out), "--auto", "auto",
+           "--kill-at", "12", "--plan", "stop:3:-1:5@auto"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert "resume: resuming from" in proc.stderr, proc.stderr[-3000:]
+    assert _weights_equal(tmp_path / "ref" / "full", out / "auto", 2)
+    full, resumed = _steps(tmp_path / "ref" / "full", 2), _steps(out / "auto", 2)
+    for r in range(2):
+        assert resumed[r] == full[r][10:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("args", "message"), [
+    (("--batch-size", "5"), r"training batch size 5, the checkpoint's was 4.*batch_size=4"),
+    (("--n", "49"), r"training data set has 49 samples, the checkpoint's had 50"),
+])
+def test_resume_with_other_data_stops_before_training(tmp_path: Path, stopped_2ranks: Path,
+                                                       args: tuple[str, ...], message: str) -> None:
+    ckpt = stopped_2ranks / "stop" / "last.ckpt"
+    before = {p.name: p.read_bytes() for p in ckpt.parent.glob("*.ckpt")}
+    cmd = ["timeout", "-k", "5", "300", sys.executable, str(SCRIPT), "--out", str(tmp_path), "--plan",
+           f"resume:3:{ckpt}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=320)
+    assert proc.returncode != 0
+    assert re.search(message, proc.stderr, re.S), proc.stderr[-4000:]
+    assert "ResumeError" in proc.stderr
+    assert not (tmp_path / "resume").exists(), "training ran"
+    assert {p.name: p.read_bytes() for p in ckpt.parent.glob("*.ckpt")} == before, "a checkpoint changed"

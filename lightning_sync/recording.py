@@ -81,8 +81,8 @@ def _recording_class(cls: type) -> type:
             logs = _LOGS.get(id(self), [])
             for log in logs:
                 log.start()
-            # next() rather than a for loop: samplers whose __iter__ returns self (Lightning's
-            # _IndexBatchSamplerWrapper) would otherwise re-enter this __iter__
+            # next() rather than a for loop: samplers whose __iter__ returns self (such as
+            # Lightning's index batch-sampler wrapper) would otherwise re-enter this __iter__
             while True:
                 try:
                     batch = next(inner)

@@ -208,12 +208,7 @@ def main() -> None:
         padded = DistributedSampler(Rows(7), num_replicas=world, rank=rank, shuffle=True, seed=3)  # repeats samples
         report["n7"] = predict(args, DataLoader(Rows(7), batch_size=2, sampler=padded), out / "n7.parquet",
                                Model(rich=True))
-        # Under ddp_sync, shuffle=True is not exact yet: Lightning wraps the RandomSampler for predict, and it
-        # draws its order from each rank's own RNG stream, so shards overlap (the writer warns). A shuffled
-        # DistributedSampler is seeded alike on every rank.
-        shuffled = (dict(sampler=DistributedSampler(Rows(1001), world, rank, shuffle=True, seed=7))
-                    if args.strategy == "ddp_sync" else dict(shuffle=True))
-        report["shuffled"] = predict(args, DataLoader(Rows(1001), batch_size=16, num_workers=2, **shuffled),
+        report["shuffled"] = predict(args, DataLoader(Rows(1001), batch_size=16, shuffle=True, num_workers=2),
                                      out / "shuffled.parquet", Model(rich=True), row_group_size=100,
                                      compression="zstd")
         report["custom"] = predict(args, DataLoader(Rows(1001), batch_size=16, sampler=Reversed(1001)),

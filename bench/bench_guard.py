@@ -1,12 +1,18 @@
-"""Cost of the collective guard: step time with guard on vs off, and microseconds per guarded collective.
+"""Cost of the collective guard, measured side by side in one run.
 
-    python bench/bench_guard.py [--steps 300] [--repeats 5]
+    python bench/bench_guard.py                 # micro (2/4/8 ranks) + tiny-MLP fit
+    python bench/bench_guard.py --main          # also the main job (lsync-train experiment=digits_cpu_ddp)
 
-1. micro: 2 gloo ranks, `dist.all_reduce(float32[1])` in a loop, guarded vs not: the difference is
-   the guard's cost per collective (store round trip + call-site walk).
-2. fit: a small MLP (batch 64/rank) on 2 ranks through Lightning's launcher, one
-   `self.log(..., sync_dist=True)` per step; `ddp_sync` with guard on and off, alternated in one
-   process so machine noise hits both; median step time after warm-up.
+1. hot path: this process, no communication: microseconds the guard adds to one collective call
+   (call-site lookup + fingerprint into the ring), the same at any world size by construction.
+2. micro: 2, 4 and 8 gloo ranks, `dist.all_reduce(float32[1])` in a loop, guard off/on alternated:
+   the difference is what the guard costs per collective with its watchdog thread running.
+3. fit: a tiny MLP (batch 64/rank) on 2 ranks through Lightning's launcher, one
+   `self.log(..., sync_dist=True)` per step; `ddp_sync` with guard=False, the default guard, and
+   guard=False + TORCH_DISTRIBUTED_DEBUG=DETAIL (torch's own collective fingerprint check), alternated
+   in one process so machine noise hits all three; median step time after warm-up.
+4. main job (--main): `lsync-train experiment=digits_cpu_ddp` with the guard on and off, alternated;
+   wall time of the fit.
 Ratios are what hold on a shared machine; absolute times are noisy.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -25,38 +32,64 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _micro(rank: int, world: int, n: int, port: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    # TCP rendezvous, as under Lightning/torchrun: the guard then talks to the TCPStore server
+    # TCP rendezvous, as under Lightning/torchrun: the watchdog talks to the TCPStore server
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
     from lightning_sync.guard import CollectiveGuard
 
     x = torch.ones(1)
-    out = {}
-    for label in ("off", "on", "sampled", "off2", "on2", "sampled2"):
-        guard = (CollectiveGuard(timeout=30) if label.startswith("on") else
-                 CollectiveGuard(timeout=30, check_every=16) if label.startswith("sampled") else None)
+    out: dict[str, list[float]] = {"off": [], "on": []}
+    for label in ("off", "on") * 3:
+        guard = CollectiveGuard(timeout=60) if label == "on" else None
         if guard:
             guard.install()
-        for _ in range(50):
+        for _ in range(20):
             dist.all_reduce(x)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(n):
             dist.all_reduce(x)
-        out[label] = (time.perf_counter() - start) / n * 1e6
+        out[label].append((time.perf_counter() - start) / n * 1e6)
         if guard:
             guard.uninstall()
     dist.destroy_process_group()
-    return out
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def _hot_path(n: int = 20000) -> float:
+    """Microseconds per guarded call spent in the guard itself (site lookup + fingerprint)."""
+    from lightning_sync.guard.callsite import CallSites
+    from lightning_sync.guard.fingerprint import Recorder
+    from lightning_sync.guard.intercept import match_of
+
+    import torch
+
+    sites, recorder = CallSites(lambda: "training_step"), Recorder()
+    t = torch.ones(1)
+    start = time.perf_counter()
+    for _ in range(n):
+        match, _ = match_of("all_reduce", (t,), {})
+        recorder.record("w", "all_reduce", match, sites.find(sys._getframe()))
+        recorder.enter("w")
+        recorder.busy = None
+        recorder.take_unpublished() if len(recorder._unpublished) > 500 else None
+    return (time.perf_counter() - start) / n * 1e6
 
 
 def _fit(steps: int, repeats: int, out: Path) -> None:
     import lightning as L
     import torch
+    import torch.distributed as dist
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -86,12 +119,13 @@ def _fit(steps: int, repeats: int, out: Path) -> None:
 
     torch.set_num_threads(1)
     data = TensorDataset(torch.randn(64 * 2 * steps, 32), torch.randn(64 * 2 * steps))
-    results: dict[str, list[float]] = {"on": [], "off": [], "sampled": []}
+    results: dict[str, list[float]] = {"off": [], "on": [], "detail": []}
     for _ in range(repeats):
-        for label in ("off", "on", "sampled"):
+        for label in ("off", "on", "detail"):
+            dist.set_debug_level(dist.DebugLevel.DETAIL if label == "detail" else dist.DebugLevel.OFF)
             model = MLP()
-            guard = {"off": False, "on": True, "sampled": ls.CollectiveGuard(check_every=16)}[label]
-            trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ls.SyncDDPStrategy(seed=0, guard=guard),
+            trainer = L.Trainer(accelerator="cpu", devices=2,
+                                strategy=ls.SyncDDPStrategy(seed=0, guard=label == "on"),
                                 max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False)
             trainer.fit(model, DataLoader(data, batch_size=64))
@@ -100,11 +134,28 @@ def _fit(steps: int, repeats: int, out: Path) -> None:
                 (out / "fit.json").write_text(json.dumps(results))
 
 
+def _main_job(repeats: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    exe = Path(sys.executable).with_name("lsync-train")
+    for _ in range(repeats):
+        for label in ("off", "on"):
+            with tempfile.TemporaryDirectory() as tmp:
+                extra = ["+trainer.strategy.guard=false"] if label == "off" else []
+                start = time.perf_counter()
+                subprocess.run(["timeout", "-k", "5", "900", str(exe), "experiment=digits_cpu_ddp",
+                                f"hydra.run.dir={tmp}", *extra], check=True, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, cwd=Path(__file__).resolve().parents[1])
+                times[label].append(time.perf_counter() - start)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--micro-n", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--micro-n", type=int, default=1000)
+    parser.add_argument("--worlds", default="2,4,8")
+    parser.add_argument("--main", action="store_true", help="also time the main job (minutes)")
     parser.add_argument("--fit-out", type=Path)
     args = parser.parse_args()
     if args.fit_out is not None:
@@ -113,30 +164,29 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from tests.distributed import run_ranks
 
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    micro = run_ranks(_micro, 2, args=(args.micro_n, port), timeout=600, init=False)[0]
+    print(f"guard hot path (site lookup + fingerprint, no communication): {_hot_path():.1f} us per collective")
+    for world in map(int, args.worlds.split(",")):
+        micro = run_ranks(_micro, world, args=(args.micro_n, _port()), timeout=900, init=False)
+        off = statistics.median(m["off"] for m in micro)
+        on = statistics.median(m["on"] for m in micro)
+        print(f"{world} ranks: dist.all_reduce(float32[1]) off {off:8.1f} us  on {on:8.1f} us  "
+              f"ratio {on / off:5.2f}  guard {on - off:+7.1f} us per collective")
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["timeout", "-k", "5", "900", sys.executable, __file__, "--fit-out", tmp,
+        subprocess.run(["timeout", "-k", "5", "1800", sys.executable, __file__, "--fit-out", tmp,
                         "--steps", str(args.steps), "--repeats", str(args.repeats)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         fit = json.loads((Path(tmp) / "fit.json").read_text())
-    off = statistics.median([micro["off"], micro["off2"]])
-    on = statistics.median([micro["on"], micro["on2"]])
-    sampled = statistics.median([micro["sampled"], micro["sampled2"]])
-    print(f"{'measure':<42}{'off':>9}{'on':>9}{'ratio':>7}{'sampled/16':>12}{'ratio':>7}")
-    print(f"{'dist.all_reduce(float32[1]), us':<42}{off:>9.1f}{on:>9.1f}{on / off:>7.2f}{sampled:>12.1f}"
-          f"{sampled / off:>7.2f}")
-    print(f"{'cost per guarded collective, us':<42}{'':>9}{on - off:>9.1f}{'':>7}{sampled - off:>12.1f}")
     for name, pick in (("median", statistics.median), ("best", min)):
-        s_off, s_on, s_sm = (pick(fit[k]) for k in ("off", "on", "sampled"))
-        print(f"{'MLP step + 1 sync_dist log (' + name + ' fit), ms':<42}{s_off:>9.3f}{s_on:>9.3f}{s_on / s_off:>7.3f}"
-              f"{s_sm:>12.3f}{s_sm / s_off:>7.3f}")
-    print(f"(per-fit medians, ms: " + "; ".join(f"{k} {['%.2f' % t for t in v]}" for k, v in fit.items())
-          + f"; {args.steps} steps per fit, 2 ranks, gloo; sampled = CollectiveGuard(check_every=16))")
+        s_off, s_on, s_det = (pick(fit[k]) for k in ("off", "on", "detail"))
+        print(f"MLP step + 1 sync_dist ({name} fit): off {s_off:.3f} ms  guard {s_on:.3f} ms ({s_on / s_off:.3f}x)  "
+              f"DETAIL {s_det:.3f} ms ({s_det / s_off:.3f}x)")
+    print("(per-fit medians, ms: " + "; ".join(f"{k} {['%.2f' % t for t in v]}" for k, v in fit.items())
+          + f"; {args.steps} steps per fit, 2 ranks, gloo)")
+    if args.main:
+        times = _main_job(2)
+        off, on = statistics.median(times["off"]), statistics.median(times["on"])
+        print(f"main job (lsync-train experiment=digits_cpu_ddp), wall s: off {times['off']}  on {times['on']}  "
+              f"ratio {on / off:.3f}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from lightning_sync.errors import (
     RankMismatchError,
     UnevenEvaluationError,
 )
-from lightning_sync.guard import CollectiveGuard
+from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.seeding import SeedLineage, derive_seed
 from lightning_sync.strategy import SyncDDPStrategy, register as _register
 

@@ -70,7 +70,8 @@ _CALLS = ("all_reduce", "all_gather_uneven", "broadcast_object", "gather_objects
 # valid), arg (src, dst or op), payload (rows or bytes), aux (the seed), layout checksum.
 _MAGIC = 0x4C53594E  # "LSYN"
 _I_CALL, _I_PROBLEM, _I_ARG, _I_PAYLOAD, _I_AUX, _I_LAYOUT = 1, 2, 3, 4, 5, 6
-_META_LEN = 7
+_I_SITE = 7  # the collective guard's token for this call (op + call site), 0 without a guard
+_META_LEN = 8
 _NONE = -1
 # The exception classes a local argument problem may carry to the other ranks.
 _PROBLEM_TYPES: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError}
@@ -125,21 +126,27 @@ def _comm_device(group: dist.ProcessGroup | None, tensor: Any = None) -> torch.d
 
 
 #: Set by :mod:`lightning_sync.guard` while a collective guard is active: called with the collective's
-#: name and group before its metadata exchange, so a rank that entered a different collective, or none,
-#: is reported (with call sites) instead of hanging here. Shapes and arguments are still checked below,
-#: with the more specific RankMismatchError.
+#: name and group before its metadata exchange; returns a token of the call (op + call site) that
+#: travels in the exchange, so ranks calling from different places are stopped before the payload
+#: moves (``_guard_explain(name, group, tokens_by_rank)`` builds that error). Shapes and arguments
+#: are still checked below, with the more specific RankMismatchError.
 _guard_hook: Any = None
+_guard_explain: Any = None
 
 
 def _exchange(record: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
     """All-gather one fixed-size record per rank. Same size everywhere, so it can never abort gloo."""
     if _guard_hook is not None:
-        _guard_hook(_CALLS[record[_I_CALL]], group)
+        record[_I_SITE] = _guard_hook(_CALLS[record[_I_CALL]], group)
     world = dist.get_world_size(group)
     mine = torch.tensor(record, dtype=torch.int64, device=device)
     out = torch.empty(world * _META_LEN, dtype=torch.int64, device=device)
     _all_gather_single(out, mine, group=group)
-    return out.view(world, _META_LEN).tolist()
+    records = out.view(world, _META_LEN).tolist()
+    tokens = [rec[_I_SITE] for rec in records]
+    if _guard_explain is not None and len(set(tokens)) > 1 and min(tokens) > 0:
+        raise _guard_explain(_CALLS[record[_I_CALL]], group, dict(zip(_global_ranks(group), tokens)))
+    return records
 
 
 def _global_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -219,7 +226,7 @@ def _agree(fn: str, group: dist.ProcessGroup | None, device: torch.device, probl
         arg = payload = aux = _NONE
         layout = None
     record = [_MAGIC, _CALLS.index(fn), len(text.encode()), arg, payload, aux,
-              _NONE if layout is None else zlib.crc32(repr(layout).encode())]
+              _NONE if layout is None else zlib.crc32(repr(layout).encode()), 0]
     records = _exchange(record, group, device)
     ranks = _check_same_call(fn, records, group)
     if any(rec[_I_PROBLEM] for rec in records):

@@ -25,7 +25,8 @@ from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.checkpoint_io import AtomicCheckpointIO
 from lightning_sync.collectives import validate_seed
 from lightning_sync.errors import UnevenEvaluationError
-from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
+from lightning_sync.guard.core import CollectiveGuard
+from lightning_sync.guard.nccl import configure_nccl_flight_recorder
 from lightning_sync.sampling import ExactEvaluation, evaluation_limit, exact_eval_dataloader, is_integer_mean
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
 from lightning_sync.resume import ResumeHooks, init_process_group_after_restart, make_resumable
@@ -47,8 +48,9 @@ class SyncDDPStrategy(DDPStrategy):
         guard: check every collective across ranks before it runs, and the classic DDP mistakes
             (see ``docs/guard.md``). ``False`` turns it off; a :class:`~lightning_sync.CollectiveGuard`
             sets its options.
-        guard_timeout: seconds a rank waits for the others to reach the same collective before
-            raising ``CollectiveMismatchError`` (default 120; overrides the guard object's value).
+        guard_timeout: seconds without progress (a rank missing from a collective, a frozen rank)
+            before the guard raises (default 120; sets the guard object's ``timeout``, not a
+            ``hang_timeout`` set on it).
         uneven_batches: what to do when ranks have different numbers of training batches (a rank
             with more would hang in DDP's all-reduce): ``"error"`` raises at epoch start;
             ``"stop_together"`` ends every rank's epoch when the shortest rank runs out.
@@ -61,9 +63,11 @@ class SyncDDPStrategy(DDPStrategy):
             there. ``None`` (default): only ``ckpt_path``. See ``docs/resume.md``.
 
     After set-up, ``trainer.strategy.seed`` is the root seed, identical on every rank. Samplers use
-    it (disjoint, complete shards), model initialisation runs under it (identical replicas), then
-    every rank's RNGs switch to their own derived stream (dropout and augmentation differ across
-    ranks and workers). Per-rank RNG states are saved in checkpoints and restored on resume.
+    it (disjoint, complete shards), layers built in ``setup``/``configure_model`` are initialised under
+    it (identical on every rank from the start; a model built before ``fit`` becomes identical when
+    DDP's wrap broadcasts rank 0's weights), then every rank's RNGs switch to their own derived
+    stream (dropout and augmentation differ across ranks and workers). Per-rank RNG states are
+    saved in checkpoints and restored on resume.
     """
 
     strategy_name = "ddp_sync"
@@ -82,7 +86,8 @@ class SyncDDPStrategy(DDPStrategy):
         self._guard: CollectiveGuard | None = (
             guard if isinstance(guard, CollectiveGuard) else CollectiveGuard() if guard else None)
         if self._guard is not None and guard_timeout is not None:
-            self._guard.timeout = self._guard.hang_timeout = CollectiveGuard(timeout=guard_timeout).timeout
+            # hang_timeout follows timeout unless the user set it on their own guard
+            self._guard.timeout = CollectiveGuard(timeout=guard_timeout).timeout
         self.uneven_batches = uneven_batches
         self.exact_eval = bool(exact_eval)
         self._exact_eval = ExactEvaluation() if exact_eval else None
@@ -118,8 +123,9 @@ class SyncDDPStrategy(DDPStrategy):
                                          self.root_device if self.root_device.type != "cpu" else None)
         super().setup_distributed()
         self._peers = gather_peers()  # host and address per rank: names a lost peer (on_exception)
-        if self._guard is not None:
-            self._guard.install(context=lambda: _compat.current_hook_name(self.lightning_module))
+        if self._guard is not None and not self._guard.install_if_real(
+                context=lambda: _compat.current_hook_name(self.lightning_module)):
+            self._guard = None
         self._failed = False
         self._lineage = SeedLineage.agree(self._seed_arg)
         rank_zero_info(self._lineage.describe())
@@ -228,13 +234,19 @@ class SyncDDPStrategy(DDPStrategy):
                                                predicting=trainer.predicting, monitor=self._exact_eval)
         if self._lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
             dataloader.worker_init_fn = WorkerSeeder(self._lineage.root, self.global_rank)  # type: ignore[attr-defined]
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = self._attached_trainer()
         if trainer is not None and trainer.training:  # the training loader resumes mid-epoch (resume.py)
             dataloader = make_resumable(dataloader)
             self._resume.check_training_loader(dataloader)
         return dataloader
 
     # ------------------------------------------------------------------ checkpoints
+
+    def _attached_trainer(self) -> Any:
+        try:
+            return self.lightning_module.trainer if self.lightning_module is not None else None
+        except RuntimeError:  # a LightningModule not attached to a Trainer
+            return None
 
     @property
     def checkpoint_io(self) -> Any:
@@ -266,7 +278,9 @@ class SyncDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning passes weights_only from 2.6.0 on; older ones have no such parameter.
         checkpoint = super().load_checkpoint(checkpoint_path, **_compat.load_checkpoint_kwargs(weights_only))
-        self._resume.on_load(checkpoint, self.world_size, self.global_rank)  # each rank's loader state
+        trainer = self._attached_trainer()
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        self._resume.on_load(checkpoint, self.world_size, self.global_rank, fitting)  # each rank's loader state
         self._pending_checkpoint_state = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 
@@ -316,7 +330,9 @@ class SyncDDPStrategy(DDPStrategy):
             finally:
                 if self._guard is not None:
                     self._guard.uninstall()
-            dist.destroy_process_group()
+            env = self.cluster_environment
+            assert env is not None
+            destroy_default_group(env.main_address, env.main_port)
 
     # ------------------------------------------------------------------ registry
 
@@ -325,6 +341,31 @@ class SyncDDPStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         # Overridden so DDPStrategy's names ("ddp", ...) are not registered a second time.
         register(strategy_registry)
+
+
+def destroy_default_group(main_address: str, main_port: int, wait: float = 3.0) -> None:
+    """``destroy_process_group()``; ranks > 0 then wait (at most ``wait`` s) until rank 0's store is closed.
+
+    Rank 0 serves the rendezvous store on ``MASTER_PORT``. A rank that raced ahead into the next
+    ``trainer.fit``/``validate`` of the same script would otherwise reach the old server, still open
+    while rank 0 tears down, and fail when it closes ("Connection was likely closed"). Under torchrun
+    the agent serves the store and keeps it: nothing to wait for.
+    """
+    import os
+    import socket
+    import time
+
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((main_address, main_port), timeout=0.5).close()
+        except OSError:
+            return  # refused: the old server is gone
+        time.sleep(0.02)
 
 
 def register(strategy_registry: StrategyRegistryType) -> None:

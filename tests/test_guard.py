@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 import lightning_sync as ls
 from lightning_sync import collectives
+from lightning_sync import guard as ls_guard
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
 from tests.distributed import run_ranks
 
@@ -153,11 +156,13 @@ def test_lightning_sync_collective_is_guarded_too() -> None:
 
 def test_missing_rank_times_out_fast_with_last_collective_and_stacks(tmp_path: Path) -> None:
     start = time.monotonic()
-    (ok0, text0), (ok1, _) = run_ranks(_missing, 2, args=(str(tmp_path),), timeout=60, expect_failure=True)
+    (ok0, text0), (ok1, text1) = run_ranks(_missing, 2, args=(str(tmp_path),), timeout=60, expect_failure=True)
     assert time.monotonic() - start < 45  # guard timeout 2 s; the rest is process start-up on a busy machine
     assert not ok0 and "CollectiveMismatchError" in text0 and "rank(s) 1 did not reach guarded collective #1" in text0
     assert "its last collective was #0 at test_guard.py" in text0 and "_missing: barrier" in text0
-    assert ok1  # rank 1 never issued the collective: nothing to raise there, but its log explains
+    # rank 1 never issued the collective: nothing to raise there, but its log explains (and it ends
+    # with the run if it stays away long enough: exit code 70)
+    assert ok1 or "exit code 70" in text1
     log1 = (tmp_path / "rank1.log").read_text()
     assert "rank 0 raised CollectiveMismatchError" in log1
     assert "Python stacks" in log1 and "in _missing" in log1  # where rank 1 stood (time.sleep)
@@ -199,7 +204,9 @@ def test_strategy_sets_flight_recorder_env_before_nccl_init(monkeypatch: pytest.
         monkeypatch.delenv(name)
     strategy = ls.SyncDDPStrategy(process_group_backend="nccl")
     strategy.set_world_ranks = lambda: None  # type: ignore[method-assign]  # no cluster here: fail at init
-    with pytest.raises(Exception):  # noqa: B017 - no GPU/NCCL on this machine; the env is what matters
+    # No cluster environment is attached, so Lightning's set-up stops at its assertion, after the
+    # strategy has set the flight recorder's variables: those are what this test checks.
+    with pytest.raises(AssertionError):
         strategy.setup_distributed()
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
@@ -261,13 +268,21 @@ def test_trainer_mistake_raises_precise_error(tmp_path: Path, scenario: str) -> 
     kind, texts, ranks = SCENARIOS[scenario]
     start = time.monotonic()
     reports = fit(tmp_path, scenario)
-    assert time.monotonic() - start < 90
+    assert time.monotonic() - start < 150  # a 2-rank fit alone takes ~60 s on the loaded 2-core machine
     for rank in ranks:
         error = reports[rank]["error"]
         assert error is not None and error["type"] == kind, reports
         for text in texts:
             assert text in error["message"], error["message"]
     assert not _lightning_procs(tmp_path), "a rank was left behind"
+
+
+@pytest.mark.slow
+def test_forked_data_loader_workers_never_hang_with_the_watchdog(tmp_path: Path) -> None:
+    """Fork-safety stress: 2 ranks x 12 epochs x (train + val) x 2 forked workers = 96 forks, watchdog running."""
+    r0, r1 = fit(tmp_path, "ok", "--workers", "2", "--epochs", "12", timeout=300)
+    assert r0["error"] is None and r1["error"] is None and r0["steps"] == r1["steps"] == 36
+    assert not _lightning_procs(tmp_path)
 
 
 @pytest.mark.slow
@@ -283,40 +298,84 @@ def test_trainer_warnings_and_stop_together(tmp_path: Path) -> None:
     assert "uses a RandomSampler, not a DistributedSampler" in text
 
 
-# ---------------------------------------------------------------------------------------- sampled mode
+# ---------------------------------------------------------------------------------------- frozen and dead ranks
 
 
-def _sampled(rank: int, world: int, scenario: str) -> dict:
-    with CollectiveGuard(timeout=3, check_every=4) as guard:
-        x = torch.ones(2)
-        for _ in range(10):
-            dist.all_reduce(x)
+def _frozen(rank: int, world: int, where: str) -> None:
+    with CollectiveGuard(timeout=3):
         dist.barrier()
-        if scenario == "other_line":
-            if rank == 0:
-                dist.all_reduce(x)  # pairs with rank 1's call on another line: noticed at the next check
-            else:
-                dist.all_reduce(x)
-            for _ in range(3):
-                dist.all_reduce(x)
-        if scenario == "hang":
-            if rank == 0:
-                dist.all_reduce(x)  # rank 1 never joins: rank 0's watchdog ends it after the timeout
-            else:
-                time.sleep(8)  # busy elsewhere; its closing check then sees rank 0's all_reduce
-        return {"checks": guard.checks, "x": x.tolist()}
+        if rank == 1 and where == "before":
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen before a guarded collective
+        if rank == 1 and where == "inside":
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGSTOP)).start()  # frozen inside it
+        if rank == 0 and where == "inside":
+            time.sleep(1.0)
+        if rank == 1 and where == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)  # a dead peer
+        dist.all_reduce(torch.ones(1))
 
 
-def test_sampled_mode_passes_correct_programs_and_catches_mistakes_late() -> None:
-    r0, r1 = run_ranks(_sampled, 2, args=("ok",), timeout=60)
-    assert r0["x"] == r1["x"] == [1024.0, 1024.0]
-    for text in _errors(run_ranks(_sampled, 2, args=("other_line",), timeout=60, expect_failure=True)):
-        assert "CollectiveMismatchError" in text and "guarded collective #11 (checked 3 collective(s) later" in text
+def _frozen_before_ddp(rank: int, world: int) -> None:
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
+    with CollectiveGuard(timeout=3):
+        dist.barrier()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        model(torch.randn(4, 3)).sum().backward()  # rank 0 waits in DDP's C++ all-reduce
 
 
-def test_sampled_mode_hang_ends_the_blocked_rank() -> None:
+@pytest.mark.parametrize("where", ["before", "inside", "ddp", "kill"])
+def test_frozen_or_dead_rank_is_named_and_nothing_is_left(where: str) -> None:
     start = time.monotonic()
-    (ok0, text0), (ok1, text1) = run_ranks(_sampled, 2, args=("hang",), timeout=60, expect_failure=True)
-    assert time.monotonic() - start < 45
-    assert not ok0 and "exit code 70" in text0  # the watchdog ended rank 0, blocked in all_reduce
-    assert not ok1 and "CollectiveMismatchError" in text1 and "all_reduce float32[2]" in text1
+    fn, args = (_frozen_before_ddp, ()) if where == "ddp" else (_frozen, (where,))
+    (ok0, text0), (ok1, text1) = run_ranks(fn, 2, args=args, timeout=60, expect_failure=True)
+    elapsed = time.monotonic() - start
+    assert elapsed < 55, elapsed  # guard timeout 3 s; the rest is process start-up on a busy machine (~25 s loaded)
+    assert not ok0 and "LightningSyncError" in text0, text0
+    if where == "kill":
+        assert "rank(s) 1 died" in text0 and "ended" in text0 and "did not reach" not in text0
+    else:
+        assert "rank 1 is frozen: its process is stopped" in text0 and "(waited 3 s)" in text0, text0
+        assert "died with exit code -9" in text1  # the stopped rank was ended, not left behind
+
+
+def _other_line_then_more(rank: int, world: int) -> None:
+    with CollectiveGuard(timeout=10):
+        value = torch.ones(1)
+        if rank == 0:
+            dist.all_reduce(value)  # "loss" on rank 0 ...
+        else:
+            dist.all_reduce(value)  # ... summed with "accuracy" on rank 1: completes, silently wrong
+        for _ in range(400):
+            dist.all_reduce(torch.ones(1))
+            time.sleep(0.005)
+
+
+def test_same_all_reduce_from_different_lines_raises_within_a_second() -> None:
+    for text in _errors(run_ranks(_other_line_then_more, 2, timeout=60, expect_failure=True)):
+        assert "CollectiveMismatchError" in text and "call sites differ" in text and "guarded collective #0" in text
+        assert "_other_line_then_more: all_reduce float32[1] op=sum" in text
+
+
+def test_guard_timeout_keeps_the_users_hang_timeout() -> None:
+    strategy = ls.SyncDDPStrategy(guard=CollectiveGuard(hang_timeout=7), guard_timeout=30)
+    assert strategy.guard is not None and strategy.guard.timeout == 30 and strategy.guard.hang_timeout == 7
+    strategy = ls.SyncDDPStrategy(guard_timeout=30)
+    assert strategy.guard is not None and strategy.guard.hang_timeout == 30
+
+
+def test_no_real_process_group_turns_the_guard_off_with_one_warning() -> None:
+    assert not dist.is_initialized()
+    with pytest.warns(UserWarning, match="collective guard is off") as caught:
+        assert not CollectiveGuard().install_if_real()
+    assert len(caught) == 1
+
+
+def test_trust_is_explicit() -> None:
+    from lightning_sync.guard.callsite import is_trusted
+
+    frame = sys._getframe()
+    assert not is_trusted(frame)
+    with ls_guard.trusted():
+        assert is_trusted(frame)
+    assert not is_trusted(frame)

@@ -29,6 +29,9 @@ from tests.cluster import Cluster
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 TIMEOUT = 300  # generous: the CI machine is shared; a healthy run takes 5-30 s
+#: pytest's limit for a test that launches one recipe: above run()'s own limits, so a hang fails there
+#: (killing the launcher and its ranks) before pytest gives up on the test.
+ONE_RUN = pytest.mark.timeout(TIMEOUT + 30 + 60)
 
 DOCTOR = {"SCRIPT": "python -m lightning_sync.doctor"}
 
@@ -104,6 +107,7 @@ def test_every_recipe_is_tested_and_opens_with_its_commands() -> None:
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_ddp_basics_gradients_and_parameters_agree(tmp_path: Path) -> None:
     out = script("ddp_basics.py", "--max-steps", "3", cwd=tmp_path)
     losses = per_rank(r"rank (\d) step 0 local loss " + NUM, out)
@@ -116,6 +120,7 @@ def test_ddp_basics_gradients_and_parameters_agree(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_loss_averaging_equals_mean_of_rank_losses(tmp_path: Path) -> None:
     out = script("loss_averaging.py", "--max-steps", "3", cwd=tmp_path)
     rank_values: dict[int, dict[int, tuple[float, int]]] = {}
@@ -134,6 +139,7 @@ def test_loss_averaging_equals_mean_of_rank_losses(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_broadcast_decision_and_the_rank_divergent_mistake(tmp_path: Path) -> None:
     out = script("broadcast_decision.py", "--max-epochs", "5", "--stop-after", "2", "--show-mistake",
                  "--ckpt-dir", str(tmp_path / "ckpt"), cwd=tmp_path)
@@ -151,6 +157,7 @@ def test_broadcast_decision_and_the_rank_divergent_mistake(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_exact_validation_counts_every_sample_once(tmp_path: Path) -> None:
     out = script("exact_validation.py", "--size", "21", cwd=tmp_path)
     rows = per_rank(r"rank (\d) gathered (\d+) rows, index == range\(N\): (True|False)", out)
@@ -166,6 +173,7 @@ def test_exact_validation_counts_every_sample_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_syncbn_running_stats_are_union_statistics(tmp_path: Path) -> None:
     out = script("syncbn.py", "--max-steps", "3", cwd=tmp_path)
     stats = per_rank(r"rank (\d) (\w+) running_mean (\[[^\]]*\]) max error vs union statistics " + NUM, out)
@@ -176,6 +184,7 @@ def test_syncbn_running_stats_are_union_statistics(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_local_sgd_ranks_identical_after_each_average(tmp_path: Path) -> None:
     out = torchrun("local_sgd.py", "--max-steps", "5", "--k", "2", "--seed", "3", cwd=tmp_path)
     averages: dict[int, dict[int, tuple[float, str]]] = {}
@@ -190,6 +199,7 @@ def test_local_sgd_ranks_identical_after_each_average(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_seeds_equal_where_needed_different_where_needed(tmp_path: Path) -> None:
     out = script("seeds.py", "--epochs", "2", cwd=tmp_path)
     seeds = per_rank(r"rank (\d) root seed (\d+)", out)
@@ -208,6 +218,7 @@ def test_seeds_equal_where_needed_different_where_needed(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_distributed_sampler_shards_and_set_epoch(tmp_path: Path) -> None:
     out = torchrun("distributed_sampler.py", "--size", "12", "--epochs", "3", cwd=tmp_path)
     orders: dict[tuple[bool, int, int], list[int]] = {}
@@ -226,6 +237,7 @@ def test_distributed_sampler_shards_and_set_epoch(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * (TIMEOUT + 30) + 60)  # two launches
 def test_init_process_group_env_and_file_rendezvous(tmp_path: Path) -> None:
     for init, out in (("env", torchrun("init_process_group.py", cwd=tmp_path)),
                       ("file", script("init_process_group.py", "--spawn", "2", cwd=tmp_path))):

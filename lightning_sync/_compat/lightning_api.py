@@ -11,6 +11,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
     _launch_process_observer as launch_process_observer,
 )
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
@@ -27,6 +28,9 @@ __all__ = [
     "SubprocessScriptLauncher",
     "attached_trainer",
     "check_can_spawn_children",
+    "checkpoint_io_load_kwargs",
+
+
     "dataloader_with_batch_sampler",
     "index_batch_sampler",
     "unwrap_index_batch_sampler",
@@ -98,11 +102,19 @@ def set_launcher(strategy: DDPStrategy, launcher: Any) -> None:
 
 
 _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(DDPStrategy.load_checkpoint).parameters
+_CHECKPOINT_IO_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(TorchCheckpointIO.load_checkpoint).parameters
 
 
 def load_checkpoint_kwargs(weights_only: bool | None) -> dict[str, Any]:
     """``weights_only`` for ``Strategy.load_checkpoint`` where Lightning takes it (2.6.0 on)."""
     if weights_only is None or not _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY:
+        return {}
+    return {"weights_only": weights_only}
+
+
+def checkpoint_io_load_kwargs(weights_only: bool | None) -> dict[str, Any]:
+    """``weights_only`` for ``TorchCheckpointIO.load_checkpoint`` where Lightning takes it (2.6.0 on)."""
+    if weights_only is None or not _CHECKPOINT_IO_TAKES_WEIGHTS_ONLY:
         return {}
     return {"weights_only": weights_only}
 
@@ -268,12 +280,14 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "the Hydra-aware launcher",
                lambda: {"_start_method", "_launcher"} <= set(_ddp_vars())
                and callable(getattr(DDPStrategy, "_configure_launcher", None))),
-    TouchPoint("lightning.pytorch.strategies.DDPStrategy.load_checkpoint(weights_only=...)",
+    TouchPoint("DDPStrategy.load_checkpoint and TorchCheckpointIO.load_checkpoint (weights_only=...)",
                "resume: weights_only passed only where Lightning takes it (2.6.0 on)",
-               lambda: _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY == (LIGHTNING_VERSION >= Version("2.6.0"))),
+               lambda: _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY == (LIGHTNING_VERSION >= Version("2.6.0"))
+               and _CHECKPOINT_IO_TAKES_WEIGHTS_ONLY == (LIGHTNING_VERSION >= Version("2.6.0"))),
     TouchPoint("lightning.pytorch.loops._FitLoop.max_batches and Trainer.val_check_batch",
                "uneven_batches='stop_together'",
-               lambda: hasattr(_trainer().fit_loop, "max_batches") and hasattr(_trainer(), "val_check_batch")),
+               lambda: hasattr(_trainer().fit_loop, "max_batches")
+               and "trainer.val_check_batch" in inspect.getsource(type(_trainer().fit_loop))),
     TouchPoint("lightning.pytorch.loops._FitLoop._combined_loader (CombinedLoader.limits)",
                "resume on another world size: batch count of later epochs",
                lambda: hasattr(_trainer().fit_loop, "_combined_loader")),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,7 +16,11 @@ __all__ = ["DDP_IGNORE_ATTR", "TOUCH_POINTS", "BatchNormBase", "TorchSyncBatchNo
 
 #: torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name is deprecated);
 #: same semantics. Public either way; the shim lives here so it is written once.
-all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def all_gather_single(output: Any, input: Any, group: Any = None, async_op: bool = False) -> Any:
+    # Looked up at call time: while the collective guard replaces the namespace's functions, a rank
+    # blocked here can still raise the guard's error (lightning_sync.guard.intercept).
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
 
 #: The attribute DDP reads for names it must not synchronise (set by
 #: ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``).

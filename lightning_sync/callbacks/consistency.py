@@ -23,7 +23,7 @@ from lightning_sync import collectives
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, ddp_ignored_names
 from lightning_sync.errors import ParameterDivergenceError, RankMismatchError, format_ranks
-from lightning_sync.guard import parameter_checksums
+from lightning_sync.guard.checksums import parameter_checksums
 
 __all__ = ["GuardChecks", "ParameterConsistencyCheck", "check_replicas", "warn_if_initial_parameters_differ"]
 

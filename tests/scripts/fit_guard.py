@@ -1,6 +1,6 @@
 """A 2-rank fit that makes one classic DDP mistake (or none); each rank writes OUT/rank{r}.json.
 
-python tests/scripts/fit_guard.py --out DIR --scenario NAME [--no-guard] [--guard-timeout S] [--check-every K]
+python tests/scripts/fit_guard.py --out DIR --scenario NAME [--no-guard] [--guard-timeout S] [--workers N] [--epochs E]
 
 --no-guard: ddp_sync with guard=False and no ParameterConsistencyCheck (what happens without them).
 
@@ -67,14 +67,17 @@ def main() -> None:
     parser.add_argument("--no-guard", action="store_true")
     parser.add_argument("--guard-timeout", type=float, default=5.0)
     parser.add_argument("--check-every", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=0, help="forked data-loader workers per loader")
+    parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
     scenario = args.scenario
     torch.manual_seed(1234 + (RANK if scenario == "warnings" else 0))  # "warnings": unsynchronised seeds
     n = 40 + (8 * RANK if scenario in ("uneven", "warnings") else 0)  # rank 1 has one more batch
     data = TensorDataset(torch.randn(n, 4), torch.randn(n))
     plain = scenario in ("warnings", "uneven")
-    train = DataLoader(data, batch_size=8, shuffle=plain)
-    val = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16)), batch_size=8)
+    loader_kwargs: dict = {"num_workers": args.workers, "multiprocessing_context": "fork"} if args.workers else {}
+    train = DataLoader(data, batch_size=8, shuffle=plain, **loader_kwargs)
+    val = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16)), batch_size=8, **loader_kwargs)
     guard = ls.CollectiveGuard(check_every=args.check_every) if not args.no_guard else False
     strategy_kwargs: dict = {"guard": guard, "guard_timeout": args.guard_timeout}
     if scenario == "warnings":
@@ -83,7 +86,7 @@ def main() -> None:
         strategy_kwargs["broadcast_buffers"] = False
     check = ls.ParameterConsistencyCheck(every_n_steps=2)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=ls.SyncDDPStrategy(seed=7, **strategy_kwargs), max_epochs=2,
+        accelerator="cpu", devices=2, strategy=ls.SyncDDPStrategy(seed=7, **strategy_kwargs), max_epochs=args.epochs,
         logger=False, enable_checkpointing=scenario == "ok", enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=not plain, callbacks=[] if args.no_guard else [check], default_root_dir=str(args.out),
         num_sanity_val_steps=0,

@@ -1,0 +1,457 @@
+"""``CollectiveGuard``: the life cycle that ties the parts together.
+
+Hot path per guarded collective (the training thread): find the call site, append a fingerprint
+to this rank's ring, run the collective. Everything that talks to other ranks happens on the
+watchdog thread (:mod:`~lightning_sync.guard.watchdog`) through the store protocol
+(:mod:`~lightning_sync.guard.protocol`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import sys
+import threading
+import time
+import warnings
+import weakref
+import zlib
+from collections.abc import Callable
+from datetime import timedelta
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sync import collectives
+from lightning_sync.errors import LightningSyncError
+from lightning_sync.guard import report
+from lightning_sync.guard.callsite import CallSites
+from lightning_sync.guard.fingerprint import Fingerprint, Recorder
+from lightning_sync.guard.intercept import Interceptor
+from lightning_sync.guard.protocol import Exchange, stream_key
+from lightning_sync.guard.watchdog import Monitor, dump_stacks
+
+__all__ = ["CollectiveGuard"]
+
+_CLOSING = "end of guarded block"
+_generation = 0  # rank 0's count of installs (see install): keeps store keys apart
+_active: weakref.WeakSet[CollectiveGuard] = weakref.WeakSet()
+
+
+class _Guarded:
+    """Context manager for one guarded operation made of several collectives (``strategy.reduce``)."""
+
+    __slots__ = ("_guard",)
+
+    def __init__(self, guard: CollectiveGuard) -> None:
+        self._guard = guard
+
+    def __enter__(self) -> None:
+        self._guard._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._guard._depth -= 1
+
+
+class _Nothing:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NOTHING = _Nothing()
+
+
+class CollectiveGuard:
+    """Checks that every rank issues the same collectives; names the rank that does not.
+
+    ``strategy="ddp_sync"`` installs one after the process group is created and removes it at
+    teardown; pass ``SyncDDPStrategy(guard=False)`` to turn it off, ``guard_timeout=...`` to change
+    the timeout, or ``guard=CollectiveGuard(...)`` for the other settings. Without Lightning::
+
+        dist.init_process_group(...)
+        with CollectiveGuard(timeout=30):
+            ...  # every torch.distributed / lightning_sync collective is checked
+
+    Each rank records a fingerprint of every collective (op, dtype/shape, reduce op/src/dst, call
+    site, Lightning hook) locally; a background thread publishes them in batches and compares the
+    ranks' sequences. Ranks that issued different collectives raise
+    :class:`~lightning_sync.CollectiveMismatchError` within a fraction of a second (the training
+    thread raises at its next collective, or while waiting in one); a rank that makes no progress
+    for ``timeout`` seconds is named by the others with its last collective; a dead or frozen rank
+    is named as such. A rank blocked where Python cannot raise writes the report and its stack and
+    ends (exit code 70).
+
+    Args:
+        timeout: seconds without progress (a rank waiting in a collective the others do not reach,
+            a rank whose heartbeat stopped) before the guard fails the run. It must exceed the
+            longest stretch one rank legitimately works alone between two collectives (e.g. rank 0
+            writing a large checkpoint while the others wait in the barrier that follows).
+        hang_timeout: seconds after which a collective that has not finished (every rank in it,
+            just slow) makes the rank dump its stack and last collectives to ``stream``
+            (default: ``timeout``).
+        match_call_sites: also require the same call site on every rank. Catches two different
+            collectives with identical shapes pairing up silently (the values of one metric summed
+            with another's); turn it off for programs that issue the same collective from different
+            lines on different ranks on purpose.
+        stream: where the watchdog writes (default: the rank's stderr).
+        history: how many of this rank's last collectives each heartbeat carries for reports.
+        check_every: accepted for compatibility; the guard no longer waits before collectives, so
+            there is nothing to sample (every collective is compared).
+        interval: seconds between two turns of the watchdog (publish, compare, heartbeat).
+    """
+
+    def __init__(self, timeout: float = 120.0, hang_timeout: float | None = None, match_call_sites: bool = True,
+                 stream: IO[str] | None = None, history: int = 8, check_every: int = 1,
+                 interval: float = 0.1) -> None:
+        if not isinstance(check_every, int) or check_every < 1:
+            raise ValueError(f"CollectiveGuard(check_every={check_every!r}): must be a positive int.")
+        if not timeout > 0:
+            raise ValueError(f"CollectiveGuard(timeout={timeout!r}): the timeout must be a positive number of seconds.")
+        if hang_timeout is not None and not hang_timeout > 0:
+            raise ValueError(f"CollectiveGuard(hang_timeout={hang_timeout!r}): must be positive seconds or None.")
+        if not 0 < interval <= 5:
+            raise ValueError(f"CollectiveGuard(interval={interval!r}): must be in (0, 5] seconds.")
+        self.check_every = check_every
+        self.timeout = float(timeout)
+        self._hang_timeout = float(hang_timeout) if hang_timeout is not None else None
+        self.match_call_sites = match_call_sites
+        self.stream = stream
+        self.history_size = history
+        self.interval = interval
+        self.context: Callable[[], str | None] | None = None
+        self._recorder: Recorder | None = None
+        self._monitor: Monitor | None = None
+        self._exchange: Exchange | None = None
+        self._interceptor: Interceptor | None = None
+        self._sites: CallSites | None = None
+        self._stream = "w"
+        self._rank = 0
+        self._depth = 0
+        self._module: weakref.ref[torch.nn.Module] | None = None
+        self._write_lock = threading.Lock()
+        self.checks = 0  # guarded collectives so far (for tests and the benchmark)
+
+    @property
+    def hang_timeout(self) -> float:
+        """Seconds before a slow collective dumps stacks (follows ``timeout`` unless set)."""
+        return self._hang_timeout if self._hang_timeout is not None else self.timeout
+
+    @hang_timeout.setter
+    def hang_timeout(self, value: float) -> None:
+        self._hang_timeout = float(value)
+
+    @property
+    def history(self) -> list[str]:
+        """This rank's last collectives, as shown in reports."""
+        if self._recorder is None:
+            return []
+        return [f"#{fp.seq} {fp.describe()}" for s in self._recorder.streams() for fp in self._recorder.last(s)]
+
+    # ------------------------------------------------------------------ life cycle
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The strategy travels to spawned ranks pickled: send the settings, not the live state.
+        return {"timeout": self.timeout, "hang_timeout": self._hang_timeout, "match_call_sites": self.match_call_sites,
+                "history": self.history_size, "check_every": self.check_every, "interval": self.interval}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    @property
+    def active(self) -> bool:
+        """True between :meth:`install` and :meth:`uninstall`."""
+        return self._monitor is not None
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error the guard found (None while all is well); the training thread raises it."""
+        return self._monitor.failure if self._monitor is not None else None
+
+    def __enter__(self) -> CollectiveGuard:
+        self.install()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        failure = self._failure()
+        if exc is not None and failure is not None and exc is not failure:
+            # e.g. DDP's all-reduce failed because the guard ended a frozen peer: the guard's report says why
+            self.uninstall()
+            raise failure from exc
+        try:
+            if exc_type is None and self.active and dist.is_initialized():
+                # A closing check: a rank that skipped a collective the others made, or a mismatch in
+                # the last collectives, is reported here rather than going unnoticed.
+                self.check(_CLOSING, "", None, _skip=1)
+        finally:
+            self.uninstall()
+
+    def install(self, context: Callable[[], str | None] | None = None) -> None:
+        """Start guarding: needs an initialised default process group; every rank must call it.
+
+        Args:
+            context: returns a label for where the program is (the strategy passes the current
+                Lightning hook, e.g. ``"training_step"``), shown beside call sites.
+        """
+        global _generation
+        if self.active:
+            return
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("CollectiveGuard.install: torch.distributed is not initialised; call "
+                               "dist.init_process_group first.")
+        # Every install needs fresh store keys (torchrun's store outlives a process group), and every
+        # rank must use the same ones: a Hydra sweep's rank 0 has installed once per job, its other
+        # ranks are new processes each job. So rank 0's count wins (one unguarded broadcast).
+        generation = torch.tensor([_generation + 1], dtype=torch.int64, device=collectives._comm_device(None))
+        dist.broadcast(generation, src=0)
+        _generation = int(generation.item())
+        self._rank = dist.get_rank()
+        self._depth = 0
+        self._sites = CallSites(context)
+        self.context = context
+        self._recorder = Recorder(capacity=max(64, self.history_size))
+        # torchrun's store also outlives a restart of the worker group: the attempt keeps keys apart
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = _side_store(f"lightning_sync/guard/{attempt}/{_generation}/", timeout=min(self.timeout, 10.0))
+        self._exchange = Exchange(store, self._rank, dist.get_world_size(), self.match_call_sites)
+        self._exchange.start()
+        self._monitor = Monitor(self._exchange, self._recorder, self.timeout, self.hang_timeout, self._write,
+                                interval=self.interval)
+        self._monitor.start()
+        self._interceptor = Interceptor(self)
+        self._interceptor.install()
+        collectives._guard_hook = self._collectives_hook
+        collectives._guard_explain = self._collectives_mismatch
+        _active.add(self)
+
+    def install_if_real(self, context: Callable[[], str | None] | None = None) -> bool:
+        """:meth:`install` when a real default process group exists; else warn once and return False.
+
+        A test that mocks ``torch.distributed.init_process_group`` leaves none: the strategy then
+        runs with the guard off instead of failing.
+        """
+        if dist.is_available() and dist.is_initialized():
+            self.install(context)
+            return True
+        warnings.warn("lightning_sync: the collective guard is off: the strategy found no initialised "
+                      "torch.distributed process group (init_process_group mocked?).", stacklevel=2)
+        return False
+
+    def uninstall(self) -> None:
+        """Stop guarding, stop the watchdog thread and restore ``torch.distributed`` (idempotent)."""
+        if self._interceptor is not None:
+            self._interceptor.uninstall()
+            self._interceptor = None
+        if collectives._guard_hook == self._collectives_hook:
+            collectives._guard_hook = None
+            collectives._guard_explain = None
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            monitor.leave()
+        _active.discard(self)
+
+    def watch_module(self, module: torch.nn.Module) -> None:
+        """Reject ``all_reduce`` calls on ``module``'s parameters or gradients (DDP already syncs them)."""
+        self._module = weakref.ref(getattr(module, "module", module))  # names as the user knows them
+
+    def guarded(self, op: str, match: str = "", group: Any = None) -> Any:
+        """Context manager: record ``op`` as one collective, then run the block (nested collectives pass).
+
+        Args:
+            op: the collective's name as shown in errors.
+            match: what must be identical on every rank (dtype, shape, reduce op ...).
+            group: the process group the collective runs on (``None``: the world).
+        """
+        if not self.active or self._depth:
+            return _NOTHING
+        if self._record(op, match, group, sys._getframe(1)) is None:
+            return _NOTHING
+        return _Guarded(self)
+
+    def check(self, op: str, match: str = "", group: Any = None, _skip: int = 1) -> None:
+        """Record ``op`` and wait until the neighbouring rank's sequence confirms it (a synchronous check).
+
+        Every rank of ``group`` must call it; it blocks for at most ``timeout`` seconds.
+
+        Raises:
+            CollectiveMismatchError: on every rank, when ranks recorded different collectives or
+                call sites, or when a rank did not get there within ``timeout``.
+        """
+        fp = self._record(op, match, group, sys._getframe(_skip))
+        monitor, recorder = self._monitor, self._recorder
+        if fp is None or monitor is None or recorder is None or monitor.exchange.neighbour(self._stream) is None:
+            return
+        previous = recorder.enter(self._stream)
+        try:
+            while True:
+                failure = self._failure()
+                if failure is not None:
+                    raise failure
+                if monitor.verified(self._stream) >= fp.seq:
+                    return
+                time.sleep(0.005)
+        finally:
+            if previous is None:
+                recorder.busy = None
+
+    # ------------------------------------------------------------------ hot path
+
+    def _failure(self) -> BaseException | None:
+        monitor = self._monitor
+        failure = monitor.failure if monitor is not None else None
+        if failure is not None:
+            monitor.picked_up = True  # type: ignore[union-attr]
+        return failure
+
+    def _record(self, op: str, match: str, group: Any, frame: Any) -> Fingerprint | None:
+        recorder, sites = self._recorder, self._sites
+        if recorder is None or sites is None:
+            return None
+        failure = self._failure()
+        if failure is not None:
+            raise failure
+        if group is None or group is dist.GroupMember.WORLD:
+            self._stream = "w"
+        else:
+            if dist.distributed_c10d._rank_not_in_group(group):
+                return None
+            self._stream = stream_key(dist.get_process_group_ranks(group))
+        self.checks += 1
+        return recorder.record(self._stream, op, match, sites.find(frame))
+
+    def _collectives_hook(self, name: str, group: Any) -> int:
+        """lightning_sync.collectives: record its call; the token goes into its metadata exchange."""
+        fp = self._record(name, "", group, sys._getframe(1))
+        if fp is None:
+            return 0
+        return zlib.crc32("\x1f".join(fp.key(self.match_call_sites)).encode()) or 1
+
+    def _collectives_mismatch(self, name: str, group: Any, tokens: dict[int, int]) -> BaseException:
+        """The metadata exchange saw different tokens: name every rank's call (waits for their rings)."""
+        monitor, recorder = self._monitor, self._recorder
+        assert monitor is not None and recorder is not None
+        stream = self._stream
+        seq = recorder.next_seq(stream) - 1
+        fps: dict[int, Fingerprint | None] = {}
+        deadline = time.monotonic() + max(5.0, 30 * self.interval)
+        while time.monotonic() < deadline:  # the others publish within one watchdog turn
+            try:
+                fps = monitor.fingerprints_at(stream, seq)
+            except Exception:  # noqa: BLE001 - store trouble: report what we have
+                break
+            if all(fps.get(r) is not None for r in tokens):
+                break
+            time.sleep(self.interval)
+        mine = next((fp for fp in recorder.last(stream, 64) if fp.seq == seq), None)
+        fps[self._rank] = mine
+        error = report.mismatch(seq, {r: fps.get(r) for r in tokens})
+        monitor.fail(error)
+        monitor.picked_up = True
+        return error
+
+    def _explain(self, err: BaseException) -> BaseException:
+        """A collective failed (a peer's connection closed ...): say which rank died, if one did."""
+        failure = self._failure()
+        if failure is not None:
+            failure.__cause__ = err
+            return failure
+        monitor, recorder = self._monitor, self._recorder
+        if monitor is None or recorder is None:
+            return err
+        time.sleep(0.2)  # a peer that just died: let its process become a zombie or go
+        lost = monitor.lost_peers(self._stream)
+        if not lost:
+            return err
+        last = recorder.last(self._stream, 1)
+        where = f"while rank {self._rank} waited in guarded collective " + (
+            f"#{last[-1].seq} {last[-1].describe()}" if last else "")
+        error = report.lost(lost, err, where)
+        error.__cause__ = err
+        monitor.fail(error)
+        monitor.picked_up = True
+        return error
+
+    def _reject_managed(self, tensor: Tensor, frame: Any) -> None:
+        module = self._module() if self._module is not None else None
+        if module is None:
+            return
+        ptr = tensor.untyped_storage().data_ptr()
+        for pname, param in module.named_parameters():
+            if param.untyped_storage().data_ptr() == ptr:
+                what = (f"parameter {pname!r}", "DDP broadcast rank 0's parameters when it wrapped the model and keeps "
+                        "replicas identical by averaging gradients, so an all_reduce(SUM) of the weights multiplies "
+                        f"them by the world size ({dist.get_world_size()})")
+            elif param.grad is not None and param.grad.untyped_storage().data_ptr() == ptr:
+                what = (f"the gradient of {pname!r}", "DDP already averaged it across ranks during backward, so an "
+                        f"all_reduce(SUM) makes it {dist.get_world_size()} x the average gradient")
+            else:
+                continue
+            site = self._sites.find(frame) if self._sites is not None else "?"
+            raise LightningSyncError(
+                f"rank {self._rank} at {site}: dist.all_reduce of {what[0]}, which DistributedDataParallel "
+                f"manages: {what[1]}. Remove the all_reduce (DDP does the synchronisation), or, if the tensor is "
+                "meant to be synchronised by hand, exclude it from DDP (_ddp_params_and_buffers_to_ignore).")
+
+    # ------------------------------------------------------------------ output
+
+    def _write(self, text: str, stack: bool) -> None:
+        stream = self.stream or sys.stderr
+        with self._write_lock:
+            try:
+                stream.write(text)
+                history = self.history
+                if history:
+                    stream.write(f"[lightning_sync guard] rank {self._rank}: its last collectives:\n  "
+                                 + "\n  ".join(history) + "\n")
+                if stack:
+                    recorded = _flight_recorder_tail()
+                    if recorded:
+                        stream.write(f"[lightning_sync guard] rank {self._rank}: torch's flight recorder, last "
+                                     "collectives (DDP's C++ ones included):\n  " + "\n  ".join(recorded) + "\n")
+                    stream.write(f"[lightning_sync guard] rank {self._rank}: Python stacks of every thread:\n")
+                    stream.flush()
+                    dump_stacks(stream)
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+
+
+def _flight_recorder_tail(n: int = 4) -> list[str]:
+    """The last entries of torch's flight recorder, when the user turned it on (TORCH_FR_BUFFER_SIZE)."""
+    if not (os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        return []
+    try:
+        c10d: Any = torch._C._distributed_c10d  # private, and absent from some builds: best effort
+        entries = pickle.loads(c10d._dump_fr_trace(False, True, False)).get("entries", [])
+    except Exception:  # noqa: BLE001 - a diagnostic extra must never fail the report
+        return []
+    return [f"seq {e.get('collective_seq_id')} {e.get('profiling_name')} in {e.get('input_sizes')} "
+            f"{e.get('input_dtypes')} state={e.get('state')}" for e in entries[-n:]]
+
+
+def _side_store(prefix: str, timeout: float) -> Any:
+    # torch.distributed exports the store classes without declaring them (mypy): go through Any
+    c10d: Any = dist
+    base = dist.distributed_c10d._get_default_store()
+    inner = base
+    while isinstance(inner, c10d.PrefixStore):
+        inner = inner.underlying_store
+    if isinstance(inner, c10d.TCPStore):
+        # The watchdog's own connection to the rendezvous server, with its own short timeout.
+        client = c10d.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=timeout))
+        return c10d.PrefixStore(prefix, client)
+    return c10d.PrefixStore(prefix, base)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for guard in list(_active):
+        guard.uninstall()

@@ -1,0 +1,334 @@
+"""The guard's background thread: publishes, compares, and diagnoses off the training thread.
+
+Fork safety: the thread is stopped (joined) before every ``os.fork`` of its process and restarted
+in the parent afterwards, so no guard thread exists, let alone holds a lock, while a data-loader
+worker is forked; the child starts without one.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import IO, Any
+
+from lightning_sync.errors import LightningSyncError
+from lightning_sync.guard import report
+from lightning_sync.guard.fingerprint import Fingerprint, Recorder, decode
+from lightning_sync.guard.protocol import Exchange, StoreUnavailable, stream_members
+
+__all__ = ["Monitor", "probe"]
+
+_EXIT_CODE = 70
+_monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
+
+
+def probe(beat: dict[str, Any]) -> str:
+    """``"alive"``, ``"stopped"``, ``"dead"`` or ``"unknown"`` (another host) for a rank's published identity."""
+    if beat.get("host") != socket.gethostname():
+        return "unknown"
+    try:
+        with open(f"/proc/{beat['pid']}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return "dead"
+    if beat.get("start") and fields[19] != beat["start"]:
+        return "dead"  # the pid was reused
+    return {"Z": "dead", "X": "dead", "T": "stopped", "t": "stopped"}.get(fields[0], "alive")
+
+
+class Monitor:
+    """Runs :class:`Exchange` turns every ``interval`` s and turns findings into one failure.
+
+    The failure is raised by the training thread at its next guarded collective (or while it waits
+    in one). If that thread does not pick it up within ``grace`` s (it is blocked where Python
+    cannot raise, e.g. DDP's gradient all-reduce), the report and the stacks are written and the
+    process ends with exit code 70, so no rank of a failed run is left behind.
+    """
+
+    def __init__(self, exchange: Exchange, recorder: Recorder, timeout: float, hang_timeout: float,
+                 write: Callable[[str, bool], None], interval: float = 0.1, grace: float | None = None) -> None:
+        self.exchange = exchange
+        self.recorder = recorder
+        self.timeout = timeout
+        self.hang_timeout = hang_timeout
+        self.interval = interval
+        # long enough for the usual ending (a failed peer exits, its connections close, this rank raises)
+        self.grace = grace if grace is not None else max(30.0, min(timeout, 120.0))
+        self.stale_after = min(timeout, max(2.0, 20 * interval))
+        self._write = write
+        self._lock = threading.Lock()
+        self._failure: BaseException | None = None
+        self._failed_at = 0.0
+        self._may_exit = True
+        self.picked_up = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._paused = False
+        self._dumped_for: float | None = None
+        self._store_lost_since: float | None = None
+        self._killed: set[int] = set()
+        self._verified: dict[str, int] = {}  # replaced, never mutated: read by the training thread
+        _monitors.add(self)
+
+    # ---------------------------------------------------------------- life cycle
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    def verified(self, stream: str) -> int:
+        """Highest seq of ``stream`` this rank compared equal with its neighbour."""
+        return self._verified.get(stream, -1)
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="lightning_sync-guard", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        self._thread = None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    def leave(self) -> None:
+        """Stop for good and tell the others this rank stopped guarding on purpose."""
+        self.stop()
+        rec = self.recorder
+        streams = rec.streams()
+        try:  # the last fingerprints too: a peer explaining a mismatch reads them from here
+            self.exchange.publish(rec.take_unpublished(), None, {s: rec.last(s) for s in streams},
+                                  {s: rec.next_seq(s) for s in streams}, done=True)
+        except StoreUnavailable:
+            pass
+
+    def _before_fork(self) -> None:
+        if self._thread is not None:
+            self._paused = True
+            self.stop()
+
+    def _after_fork_parent(self) -> None:
+        if self._paused:
+            self._paused = False
+            self.start()
+
+    def _after_fork_child(self) -> None:
+        self._paused = False
+        self._thread = None
+        self._lock = threading.Lock()
+        self.recorder.reset_lock_after_fork()
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.turn()
+            except Exception as err:  # noqa: BLE001 - a bug here must never take the training down
+                self._write(f"[lightning_sync guard] rank {self.exchange.rank}: watchdog error: {err!r}\n", False)
+                return
+
+    # ---------------------------------------------------------------- one turn
+
+    def fail(self, error: BaseException, post: bool = True, stack: bool = True, may_exit: bool = True) -> None:
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = error
+            self._failed_at = time.monotonic()
+            self._may_exit = may_exit
+        if post:
+            try:
+                self.exchange.post_abort(f"{type(error).__name__}: {error}")
+            except StoreUnavailable:
+                pass
+        self._write(f"[lightning_sync guard] rank {self.exchange.rank}: {type(error).__name__}: {error}\n", stack)
+
+    def turn(self) -> None:
+        """Publish, compare, diagnose (one watchdog turn; public for tests)."""
+        rec = self.recorder
+        busy = rec.busy
+        try:
+            streams = rec.streams()
+            self.exchange.publish(rec.take_unpublished(), busy, {s: rec.last(s) for s in streams},
+                                  {s: rec.next_seq(s) for s in streams})
+            poll = self.exchange.poll()
+            self._verified = dict(self.exchange.verified)
+            self._store_lost_since = None
+        except StoreUnavailable as err:
+            self._store_lost(err)
+            self._maybe_exit()
+            return
+        if poll.mismatch is not None and self._failure is None:
+            m = poll.mismatch
+            fps = self.fingerprints_at(m.stream, m.seq)
+            fps.update({self.exchange.rank: m.mine, m.neighbour: m.theirs})
+            self.fail(report.mismatch(m.seq, fps))
+        if poll.aborts and self._failure is None:
+            r, message = sorted(poll.aborts.items())[0]
+            kind, _, text = message.partition(": ")
+            self._write(f"[lightning_sync guard] rank {self.exchange.rank}: rank {r} raised {message}\n"
+                        f"[lightning_sync guard] rank {self.exchange.rank} stands here:\n", False)
+            error: BaseException = _rebuild(kind, text)
+            self.fail(error, post=False)
+        now = time.monotonic()
+        if busy is not None and self._failure is None:
+            waited = now - busy.since
+            if waited > self.timeout:
+                self.diagnose(busy.stream, busy.seq, waited)
+            if waited > self.hang_timeout and self._dumped_for != busy.since and self._failure is None:
+                self._dumped_for = busy.since
+                last = rec.last(busy.stream, 1)
+                self._write(f"[lightning_sync guard] rank {self.exchange.rank}: a collective has not finished after "
+                            f"{self.hang_timeout:g} s: {last[-1].describe() if last else '?'}\n", True)
+        if poll.neighbour_silent > self.timeout and self._failure is None:
+            seq = rec.next_seq("w") - 1
+            self.diagnose("w", seq, poll.neighbour_silent, blocked=busy is not None)
+        self._maybe_exit()
+
+    def _store_lost(self, err: StoreUnavailable) -> None:
+        now = time.monotonic()
+        if self._store_lost_since is None:
+            self._store_lost_since = now
+        if now - self._store_lost_since > min(self.timeout, 5.0) and self._failure is None:
+            self.fail(LightningSyncError(
+                f"rank {self.exchange.rank}: the rendezvous store stopped answering ({err}); the rank hosting it "
+                "(rank 0, or the launcher's agent) is gone, so the run cannot continue."), post=False, may_exit=False)
+
+    def _maybe_exit(self) -> None:
+        if self._failure is None or self.picked_up or self._stop.is_set() or not self._may_exit:
+            return
+        if time.monotonic() - self._failed_at > self.grace:
+            self._write(f"[lightning_sync guard] rank {self.exchange.rank}: the failure above was not picked up by "
+                        f"the training thread within {self.grace:g} s (it is blocked where Python cannot raise); "
+                        f"ending the process (exit code {_EXIT_CODE}).\n", True)
+            os._exit(_EXIT_CODE)
+
+    # ---------------------------------------------------------------- diagnosis
+
+    def fingerprints_at(self, stream: str, seq: int) -> dict[int, Fingerprint | None]:
+        beats = self.exchange.heartbeats(stream_members(stream, self.exchange.world))
+        return {r: self.exchange.fingerprint_at(b, stream, seq) for r, b in beats.items()}
+
+    def peer_states(self, stream: str, seq: int) -> list[report.PeerState]:
+        me = self.exchange.rank
+        mine = self.recorder.last(stream, 64)
+        mine_at = next((fp for fp in mine if fp.seq == seq), None)
+        states = []
+        now = time.time()
+        for r, beat in self.exchange.heartbeats(stream_members(stream, self.exchange.world)).items():
+            if r == me:
+                continue
+            if beat is None:
+                states.append(report.PeerState(r, "absent"))
+                continue
+            if beat.get("done"):
+                last = decode(beat.get("ring", {}).get(stream, ""))
+                states.append(report.PeerState(r, "behind", last=last[-1] if last else None, detail="left"))
+                continue
+            age = now - float(beat["time"])
+            where = f"process {beat['pid']} on {beat['host']}"
+            if age > self.stale_after:
+                kind = probe(beat)
+                status = {"dead": "dead", "stopped": "stopped"}.get(kind, "silent")
+                detail = where if status != "silent" else f"no heartbeat for {age:.0f} s from {where}"
+                states.append(report.PeerState(r, status, detail=detail))
+                if status == "stopped" and r not in self._killed:
+                    self._killed.add(r)
+                    self._end_stopped(r, beat)
+                continue
+            nxt = int(beat.get("next", {}).get(stream, 0))
+            ring = self.exchange.fingerprint_at(beat, stream, seq)
+            if nxt <= seq:
+                last = decode(beat.get("ring", {}).get(stream, ""))
+                states.append(report.PeerState(r, "behind", last=last[-1] if last else None,
+                                               busy=beat.get("busy") is not None))
+            elif ring is None or mine_at is None:
+                states.append(report.PeerState(r, "ahead" if nxt > seq + 1 else "same", at=ring or mine_at))
+            else:
+                same = ring.key(self.exchange.call_sites) == mine_at.key(self.exchange.call_sites)
+                states.append(report.PeerState(r, ("ahead" if nxt > seq + 1 else "same") if same else "different",
+                                               at=ring))
+        return states
+
+    def _end_stopped(self, rank: int, beat: dict[str, Any]) -> None:
+        # A stopped rank can neither raise nor exit, and a stopped process ignores every signal but
+        # SIGKILL: end it, so the failed run leaves no process behind (identity checked by start time).
+        try:
+            os.kill(int(beat["pid"]), signal.SIGKILL)
+            self._write(f"[lightning_sync guard] rank {self.exchange.rank}: sent SIGKILL to the stopped rank {rank} "
+                        f"(process {beat['pid']}) so the failed run leaves no process behind.\n", False)
+        except OSError:
+            pass
+
+    def diagnose(self, stream: str, seq: int, waited: float, blocked: bool = True) -> None:
+        try:
+            states = self.peer_states(stream, seq)
+        except StoreUnavailable as err:
+            self._store_lost(err)
+            return
+        mine = next((fp for fp in self.recorder.last(stream, 64) if fp.seq == seq), None)
+        if not blocked and not any(s.status in ("dead", "stopped", "silent") for s in states):
+            return  # the neighbour's beat stalled but it is alive again / nothing to name
+        error = report.stall(seq, self.timeout, self.exchange.rank, mine, waited, states)
+        if error is not None:
+            self.fail(error)
+
+    def lost_peers(self, stream: str) -> dict[int, str]:
+        """Peers whose process is gone (same host) or silent; asked when a collective failed."""
+        try:
+            beats = self.exchange.heartbeats(stream_members(stream, self.exchange.world))
+        except StoreUnavailable:
+            return {}
+        lost = {}
+        for r, beat in beats.items():
+            if r == self.exchange.rank or beat is None:
+                continue
+            kind = probe(beat)
+            if kind == "dead":
+                lost[r] = f"process {beat['pid']} on {beat['host']} ended"
+            elif kind == "unknown" and time.time() - float(beat["time"]) > self.stale_after:
+                lost[r] = f"no heartbeat for {time.time() - float(beat['time']):.0f} s from {beat['host']}"
+        return lost
+
+
+def _rebuild(kind: str, text: str) -> BaseException:
+    from lightning_sync import errors
+
+    cls = getattr(errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, errors.LightningSyncError):
+        try:
+            return cls(text)
+        except TypeError:
+            pass
+    return LightningSyncError(text)
+
+
+def _before_fork() -> None:
+    for monitor in list(_monitors):
+        monitor._before_fork()
+
+
+def _after_fork_parent() -> None:
+    for monitor in list(_monitors):
+        monitor._after_fork_parent()
+
+
+def _after_fork_child() -> None:
+    for monitor in list(_monitors):
+        monitor._after_fork_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork_child)
+
+
+def dump_stacks(stream: IO[str]) -> None:
+    faulthandler.dump_traceback(file=stream, all_threads=True)
+

@@ -237,7 +237,7 @@ def check_main(out: Path, world: int, big: int, padded: bool) -> list[dict[str, 
     rss = reps[0]["big_rss"]
     growth = rss["peak"] - rss["base"]
     print(f"{world} ranks: rank 0 peak RSS growth {growth / 2**20:.1f} MiB for {size / 2**20:.1f} MiB of predictions")
-    assert growth < 0.5 * size, (growth, size)
+    assert growth < 0.6 * size, (growth, size)  # measured 0.40-0.46x at 2 and 3 ranks; constant in N
     print(f"rank 1 peak RSS growth {(reps[1]['big_rss']['peak'] - reps[1]['big_rss']['base']) / 2**20:.1f} MiB")
     for rep in reps:  # every rank raised the same clear error, fast, and nothing was written
         if "exists" in rep:

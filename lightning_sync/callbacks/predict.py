@@ -1,9 +1,9 @@
 """``PredictionWriter``: ``trainer.predict`` streamed to one Parquet file, in dataset order, each sample once.
 
 Under DDP every rank predicts its own share, and Lightning's padded sampler repeats some samples.
-``PredictionWriter`` records the dataset index of every row from the batch sampler (the machinery
-shared with :class:`~lightning_sync.ValidationGather`, :mod:`lightning_sync.recording`), and each rank streams its rows to part files of
-bounded size, sorted by index and written atomically. When the predict epoch ends, the ranks
+``PredictionWriter`` records the dataset index of every row from the batch sampler
+(:mod:`lightning_sync.recording`, shared with :class:`~lightning_sync.ValidationGather`), and each
+rank streams its rows to part files of bounded size, sorted by index and written atomically. When the predict epoch ends, the ranks
 exchange a short summary (row counts, columns, errors); rank 0 k-way merges every part into one
 Parquet file ordered by ``"index"``, keeps each index once, writes it atomically and records a
 manifest beside it; the other ranks wait for its verdict. No rank ever holds more than a bounded
@@ -35,7 +35,15 @@ from lightning_sync import collectives, rowstore
 from lightning_sync._compat.lightning_api import seen_batch_indices
 from lightning_sync._compat.torch_api import default_store
 from lightning_sync.errors import RankMismatchError, format_ranks
-from lightning_sync.recording import OUTPUT_KEY, BatchLog, Recorder, Stage, active_loaders, attach_recorder, detach_recorder
+from lightning_sync.recording import (
+    OUTPUT_KEY,
+    BatchLog,
+    Recorder,
+    Stage,
+    active_loaders,
+    attach_recorder,
+    detach_recorder,
+)
 
 __all__ = ["PredictionWriter"]
 

@@ -46,6 +46,7 @@ RUNS: dict[str, str] = {
     "seeds.py": "test_seeds_equal_where_needed_different_where_needed",
     "distributed_sampler.py": "test_distributed_sampler_shards_and_set_epoch",
     "init_process_group.py": "test_init_process_group_env_and_file_rendezvous",
+    "predict_to_parquet.py": "test_predict_to_parquet_index_once_in_order",
 }
 
 
@@ -243,6 +244,20 @@ def test_init_process_group_env_and_file_rendezvous(tmp_path: Path) -> None:
         reports = per_rank(rf"rank (\d)/2 backend (gloo|nccl) init {init}:// all_reduce sum {NUM} expected {NUM}", out)
         assert all(r == ("gloo", "3.0", "3.0") for r in reports.values()), reports
         per_rank(r"rank (\d) clean teardown", out)
+
+
+@pytest.mark.slow
+def test_predict_to_parquet_index_once_in_order(tmp_path: Path) -> None:
+    out = script("predict_to_parquet.py", "--size", "101", "--batch-size", "8", "--out", str(tmp_path / "p.parquet"),
+                 cwd=tmp_path)
+    seen = per_rank(r"rank (\d) sees (\d+) rows written, per rank (\{[^}]*\})", out)
+    assert seen[0] == seen[1], "the ranks hold different manifests"
+    rows, counts = seen[0][0], ast.literal_eval(seen[0][1])
+    assert rows == "101" and sum(counts.values()) == 101 and all(c > 0 for c in counts.values()), seen
+    assert "columns ['index', 'probs', 'pred', 'label']; index == range(N): True" in out, out
+    found = re.search(r"max \|probs - single-process probs\| " + NUM, out)
+    assert found and float(found.group(1)) < 1e-6, out
+    assert (tmp_path / "p.manifest.json").is_file() and not (tmp_path / "p.parts").exists()
 
 
 def header_commands() -> list[str]:

@@ -37,10 +37,12 @@ __all__ = [
     "wrapped_sampler",
     "current_hook_name",
     "launch_process_observer",
+    "loop_dataloaders",
     "layer_sync",
     "load_checkpoint_kwargs",
     "logged_keys",
     "process_group_backend",
+    "seen_batch_indices",
     "process_group_timeout",
     "set_launcher",
     "set_layer_sync",
@@ -235,6 +237,31 @@ def _params(fn: Any) -> set[str]:
     return set(inspect.signature(fn).parameters)
 
 
+# --------------------------------------------------------------------------- evaluation / predict loops
+
+
+def loop_dataloaders(loop: Any) -> list[Any]:
+    """An evaluation or predict loop's processed dataloaders, flattened (``dataloader_idx`` order)."""
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    combined = getattr(loop, "_combined_loader", None)
+    return list(combined.flattened) if isinstance(combined, CombinedLoader) else []
+
+
+def seen_batch_indices(batch_sampler: object) -> list[Any] | None:
+    """The list in which Lightning's index batch-sampler wrapper keeps every batch's indices, if any."""
+    seen = getattr(batch_sampler, "seen_batch_indices", None)
+    return seen if isinstance(seen, list) else None
+
+
+def _wrapper_keeps_indices() -> bool:
+    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    wrapper = _IndexBatchSamplerWrapper(BatchSampler(SequentialSampler(range(3)), 2, False))
+    return list(wrapper) == [[0, 1], [2]] and seen_batch_indices(wrapper) == [[0, 1], [2]]
+
+
 def _module_has_fx_name() -> bool:
     from lightning.pytorch import LightningModule
 
@@ -276,6 +303,13 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "(_call_children_scripts, _check_can_spawn_children, procs)", "base class of HydraDDPLauncher",
                lambda: all(callable(getattr(SubprocessScriptLauncher, n, None))
                            for n in ("launch", "_call_children_scripts", "_check_can_spawn_children"))),
+    TouchPoint("lightning.pytorch.loops (_EvaluationLoop, _PredictionLoop)._combined_loader",
+               "ValidationGather / PredictionWriter: which loader a batch came from",
+               lambda: hasattr(_trainer().predict_loop, "_combined_loader")
+               and hasattr(_trainer().validate_loop, "_combined_loader")),
+    TouchPoint("lightning.pytorch.overrides.distributed._IndexBatchSamplerWrapper.seen_batch_indices",
+               "PredictionWriter empties it (it keeps every index of the epoch) when nothing reads it",
+               _wrapper_keeps_indices),
     TouchPoint("lightning.pytorch.LightningModule._trainer", "exact_eval: the trainer state before attaching",
                lambda: "_trainer" in vars(__import__("lightning.pytorch", fromlist=["LightningModule"]).LightningModule())),
     TouchPoint("lightning.pytorch.utilities.data._get_dataloader_init_args_and_kwargs, "

@@ -10,6 +10,7 @@ from lightning_sync.batchnorm import SyncBatchNorm, convert_sync_batchnorm, reve
 from lightning_sync.callbacks import (
     ParameterConsistencyCheck,
     PortableSyncBatchNorm,
+    PredictionWriter,
     SeedBroadcast,
     SyncBatchNormConversion,
     ValidationGather,
@@ -36,6 +37,7 @@ __all__ = [
     "ParameterConsistencyCheck",
     "ParameterDivergenceError",
     "PortableSyncBatchNorm",
+    "PredictionWriter",
     "RankMismatchError",
     "SeedBroadcast",
     "SeedLineage",

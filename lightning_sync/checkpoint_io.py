@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from lightning_sync._compat.lightning_api import PathLike
+from lightning_sync._compat.lightning_api import PathLike, checkpoint_io_load_kwargs
 from lightning_sync.errors import LightningSyncError
 
 __all__ = ["AtomicCheckpointIO", "CorruptCheckpointError", "atomic_save", "checkpoint_problem",
@@ -194,7 +194,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if problem is not None:
                 raise CorruptCheckpointError(_refusal(path, problem))
         try:
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return super().load_checkpoint(path, map_location=map_location,
+                                           **checkpoint_io_load_kwargs(weights_only))  # 2.6.0 on
         except RuntimeError as err:
             if "PytorchStreamReader" in str(err) or "zip archive" in str(err):
                 raise CorruptCheckpointError(_refusal(path, f"{err}".splitlines()[0])) from err

@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
+from lightning_sync.peers import local_address
+
 __all__ = ["Launch", "Problem", "detect_launch", "diagnose", "main"]
 
 _STORE_PREFIX = "lsync_doctor"
@@ -251,11 +253,8 @@ def gloo_default_address(hostname: str) -> tuple[str, str]:
 
 def route_interface(target_ip: str, addresses: dict[str, str]) -> tuple[str, str]:
     """The (interface, source address) this host uses to reach ``target_ip``; ``("", "")`` if unknown."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.connect((target_ip, 9))  # UDP: no packet is sent, the kernel just picks a route
-            source = str(sock.getsockname()[0])
-    except OSError:
+    source = local_address(target_ip)  # the kernel's route choice; no packet is sent
+    if source == "?":
         return "", ""
     names = [name for name, ip in addresses.items() if ip == source]
     return (names[0] if names else ""), source

@@ -26,7 +26,10 @@ _ADDR = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")
 
 
 def local_address(master_addr: str | None = None) -> str:
-    """The local IPv4 address that routes to ``master_addr`` (no packet is sent); ``"?"`` if unknown."""
+    """The local IPv4 address that routes to ``master_addr`` (no packet is sent); ``"?"`` if unknown.
+
+    Also what ``lsync-doctor`` reports as the route to MASTER_ADDR (``doctor.route_interface``).
+    """
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             sock.connect((master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1"), 9))

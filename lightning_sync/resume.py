@@ -448,7 +448,11 @@ class ResumeHooks:
         """This rank's loader states, to be gathered beside its RNG state."""
         return local_loader_states(checkpoint)
 
-    def on_load(self, checkpoint: dict[str, Any], world_size: int, rank: int) -> None:
+    def on_load(self, checkpoint: dict[str, Any], world_size: int, rank: int, fitting: bool = True) -> None:
+        self._expects_resumable_loader = False
+        self._rng_after_iterator = None
+        if not fitting:  # validate/test/predict from a checkpoint: no training loader to resume
+            return
         ours = checkpoint.get("lightning_sync") or {}
         sampler_state = select_loader_state(checkpoint, ours.get("loader_states"), world_size, rank)
         self._rng_after_iterator = None

@@ -234,13 +234,19 @@ class SyncDDPStrategy(DDPStrategy):
                                                predicting=trainer.predicting, monitor=self._exact_eval)
         if self._lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
             dataloader.worker_init_fn = WorkerSeeder(self._lineage.root, self.global_rank)  # type: ignore[attr-defined]
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = self._attached_trainer()
         if trainer is not None and trainer.training:  # the training loader resumes mid-epoch (resume.py)
             dataloader = make_resumable(dataloader)
             self._resume.check_training_loader(dataloader)
         return dataloader
 
     # ------------------------------------------------------------------ checkpoints
+
+    def _attached_trainer(self) -> Any:
+        try:
+            return self.lightning_module.trainer if self.lightning_module is not None else None
+        except RuntimeError:  # a LightningModule not attached to a Trainer
+            return None
 
     @property
     def checkpoint_io(self) -> Any:
@@ -272,7 +278,9 @@ class SyncDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning passes weights_only from 2.6.0 on; older ones have no such parameter.
         checkpoint = super().load_checkpoint(checkpoint_path, **_compat.load_checkpoint_kwargs(weights_only))
-        self._resume.on_load(checkpoint, self.world_size, self.global_rank)  # each rank's loader state
+        trainer = self._attached_trainer()
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        self._resume.on_load(checkpoint, self.world_size, self.global_rank, fitting)  # each rank's loader state
         self._pending_checkpoint_state = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 
@@ -322,7 +330,9 @@ class SyncDDPStrategy(DDPStrategy):
             finally:
                 if self._guard is not None:
                     self._guard.uninstall()
-            dist.destroy_process_group()
+            env = self.cluster_environment
+            assert env is not None
+            destroy_default_group(env.main_address, env.main_port)
 
     # ------------------------------------------------------------------ registry
 
@@ -331,6 +341,31 @@ class SyncDDPStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         # Overridden so DDPStrategy's names ("ddp", ...) are not registered a second time.
         register(strategy_registry)
+
+
+def destroy_default_group(main_address: str, main_port: int, wait: float = 3.0) -> None:
+    """``destroy_process_group()``; ranks > 0 then wait (at most ``wait`` s) until rank 0's store is closed.
+
+    Rank 0 serves the rendezvous store on ``MASTER_PORT``. A rank that raced ahead into the next
+    ``trainer.fit``/``validate`` of the same script would otherwise reach the old server, still open
+    while rank 0 tears down, and fail when it closes ("Connection was likely closed"). Under torchrun
+    the agent serves the store and keeps it: nothing to wait for.
+    """
+    import os
+    import socket
+    import time
+
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((main_address, main_port), timeout=0.5).close()
+        except OSError:
+            return  # refused: the old server is gone
+        time.sleep(0.02)
 
 
 def register(strategy_registry: StrategyRegistryType) -> None:

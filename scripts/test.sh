@@ -1,7 +1,20 @@
 #!/usr/bin/env bash
 # The project's test command: set-up (once) + the whole suite. Extra arguments go to pytest.
+#
+#   bash scripts/test.sh [PYTEST ARGS]            # newest pins (constraints.txt), whole suite
+#   bash scripts/test.sh --oldest [PYTEST ARGS]   # the oldest Lightning setup.cfg allows, in .venv-oldest,
+#                                                 # fast tier (-m "not slow and not cluster") unless -m is given
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--oldest" ]; then
+  shift
+  # The floor is written once, in setup.cfg's install_requires ("lightning>=X,<Y").
+  LSYNC_LIGHTNING=$(sed -nE 's/^ *lightning>=([0-9.]+).*/\1/p' setup.cfg | head -n 1)
+  [ -n "$LSYNC_LIGHTNING" ] || { echo "test.sh: no 'lightning>=X' in setup.cfg" >&2; exit 1; }
+  export LSYNC_LIGHTNING LSYNC_VENV=${LSYNC_VENV_OLDEST:-.venv-oldest}
+  case " $* " in *" -m "*) ;; *) set -- -m "not slow and not cluster" "$@" ;; esac
+  echo "test.sh: lightning $LSYNC_LIGHTNING (the oldest supported), in $LSYNC_VENV: pytest $*" >&2
+fi
 bash scripts/bootstrap.sh
 VENV=${LSYNC_VENV:-.venv}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

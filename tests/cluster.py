@@ -25,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -186,18 +187,30 @@ def _run(argv: list[str], env: Mapping[str, str], timeout: float) -> Result:
 
 
 def cluster_unavailable() -> str | None:
-    """Why this machine cannot host the test cluster, or None. Installs SLURM when missing (apt-get)."""
+    """Why this machine cannot host the test cluster, or None. Installs nothing (see :func:`install_tools`)."""
     if os.geteuid() != 0:
         return "the two-node test cluster needs root (network namespaces, mounts, slurm daemons)"
-    inst = _run(["bash", str(SCRIPT), "install"], os.environ, 600)
-    if inst.returncode != 0:
-        return (f"cannot install the cluster's tools (`bash ci/cluster.sh install` exit {inst.returncode}): "
-                + inst.stdout.strip()[-500:])
+    return _netns_problem() if shutil.which("ip") else None  # without iproute2 yet: install_tools decides
+
+
+def _netns_problem() -> str | None:
     probe = f"lsync-probe-{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=20)
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=20)
     if made.returncode != 0:
         return f"cannot create network namespaces here (`ip netns add` failed: {made.stderr.strip()})"
+    return None
+
+
+def install_tools() -> str | None:
+    """Install SLURM and the namespace tools when missing (apt-get, via ci/cluster.sh); why not, or None.
+
+    Called only by the ``cluster_tools`` fixture, i.e. when a cluster test is about to run.
+    """
+    inst = _run(["bash", str(SCRIPT), "install"], os.environ, 600)
+    if inst.returncode != 0:
+        return (f"cannot install the cluster's tools (`bash ci/cluster.sh install` exit {inst.returncode}): "
+                + inst.stdout.strip()[-500:])
     return None
 
 
@@ -216,8 +229,8 @@ def _claim_name() -> tuple[str, IO[str]]:
 
 @pytest.fixture(scope="session")
 def cluster_tools() -> str:
-    """Skip unless the machine can host the cluster; returns the path of ``ci/cluster.sh``."""
-    reason = cluster_unavailable()
+    """Skip unless the machine can host the cluster (installing SLURM if needed); the path of ``ci/cluster.sh``."""
+    reason = cluster_unavailable() or install_tools() or _netns_problem()
     if reason:
         pytest.skip(reason)
     return str(SCRIPT)

@@ -23,10 +23,15 @@ def test_private_upstream_name_still_fits(touch_point: TouchPoint) -> None:
     touch_point.verify()  # raises UpstreamChangedError naming the name, its use and the upgrade
 
 
-def test_a_broken_touch_point_names_the_upgrade() -> None:
+def test_a_broken_touch_point_names_the_upgrade(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_sync._compat as compat
+
     broken = TouchPoint("lightning.Example._gone", "an example", lambda: False)
     with pytest.raises(UpstreamChangedError, match=r"relies on lightning\.Example\._gone \(an example\).*"
-                                                   r"lightning \d.*tested on lightning 2\.5\.3 to 2\.6\.6"):
+                                                   r"tested with lightning 2\.5\.3 to 2\.6\.6.*lightning_sync bug"):
+        broken.verify()
+    monkeypatch.setattr(compat, "LIGHTNING_TESTED", ("2.0.0", "2.1.0"))  # as if lightning were upgraded past it
+    with pytest.raises(UpstreamChangedError, match=r"the upgrade to lightning 2\.\d+\.\d+ broke it"):
         broken.verify()
 
 

@@ -328,7 +328,7 @@ def test_mismatched_outputs_raise_on_every_rank(tmp_path: Path) -> None:
     assert time.monotonic() - start < 100
     for rep in reports(tmp_path, "mismatch", 2):
         assert rep["error"] is not None and "rank 0 {preds: () float32" in rep["error"] and "extra: () float32" in rep["error"]
-        assert rep["seconds"] < 30
+        assert rep["seconds"] < 60  # the whole validate run, start-up included: 30.3 s seen at load 15 on 2 cores
 
 
 @pytest.mark.slow

@@ -29,6 +29,9 @@ from tests.cluster import Cluster
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 TIMEOUT = 300  # generous: the CI machine is shared; a healthy run takes 5-30 s
+#: pytest's limit for a test that launches one recipe: above run()'s own limits, so a hang fails there
+#: (killing the launcher and its ranks) before pytest gives up on the test.
+ONE_RUN = pytest.mark.timeout(TIMEOUT + 30 + 60)
 
 DOCTOR = {"SCRIPT": "python -m lightning_sync.doctor"}
 
@@ -43,6 +46,7 @@ RUNS: dict[str, str] = {
     "seeds.py": "test_seeds_equal_where_needed_different_where_needed",
     "distributed_sampler.py": "test_distributed_sampler_shards_and_set_epoch",
     "init_process_group.py": "test_init_process_group_env_and_file_rendezvous",
+    "predict_to_parquet.py": "test_predict_to_parquet_index_once_in_order",
 }
 
 
@@ -103,6 +107,7 @@ def test_every_recipe_is_tested_and_opens_with_its_commands() -> None:
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_ddp_basics_gradients_and_parameters_agree(tmp_path: Path) -> None:
     out = script("ddp_basics.py", "--max-steps", "3", cwd=tmp_path)
     losses = per_rank(r"rank (\d) step 0 local loss " + NUM, out)
@@ -115,6 +120,7 @@ def test_ddp_basics_gradients_and_parameters_agree(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_loss_averaging_equals_mean_of_rank_losses(tmp_path: Path) -> None:
     out = script("loss_averaging.py", "--max-steps", "3", cwd=tmp_path)
     rank_values: dict[int, dict[int, tuple[float, int]]] = {}
@@ -133,6 +139,7 @@ def test_loss_averaging_equals_mean_of_rank_losses(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_broadcast_decision_and_the_rank_divergent_mistake(tmp_path: Path) -> None:
     out = script("broadcast_decision.py", "--max-epochs", "5", "--stop-after", "2", "--show-mistake",
                  "--ckpt-dir", str(tmp_path / "ckpt"), cwd=tmp_path)
@@ -150,6 +157,7 @@ def test_broadcast_decision_and_the_rank_divergent_mistake(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_exact_validation_counts_every_sample_once(tmp_path: Path) -> None:
     out = script("exact_validation.py", "--size", "21", cwd=tmp_path)
     rows = per_rank(r"rank (\d) gathered (\d+) rows, index == range\(N\): (True|False)", out)
@@ -165,6 +173,7 @@ def test_exact_validation_counts_every_sample_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_syncbn_running_stats_are_union_statistics(tmp_path: Path) -> None:
     out = script("syncbn.py", "--max-steps", "3", cwd=tmp_path)
     stats = per_rank(r"rank (\d) (\w+) running_mean (\[[^\]]*\]) max error vs union statistics " + NUM, out)
@@ -175,6 +184,7 @@ def test_syncbn_running_stats_are_union_statistics(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_local_sgd_ranks_identical_after_each_average(tmp_path: Path) -> None:
     out = torchrun("local_sgd.py", "--max-steps", "5", "--k", "2", "--seed", "3", cwd=tmp_path)
     averages: dict[int, dict[int, tuple[float, str]]] = {}
@@ -189,6 +199,7 @@ def test_local_sgd_ranks_identical_after_each_average(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_seeds_equal_where_needed_different_where_needed(tmp_path: Path) -> None:
     out = script("seeds.py", "--epochs", "2", cwd=tmp_path)
     seeds = per_rank(r"rank (\d) root seed (\d+)", out)
@@ -207,6 +218,7 @@ def test_seeds_equal_where_needed_different_where_needed(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+@ONE_RUN
 def test_distributed_sampler_shards_and_set_epoch(tmp_path: Path) -> None:
     out = torchrun("distributed_sampler.py", "--size", "12", "--epochs", "3", cwd=tmp_path)
     orders: dict[tuple[bool, int, int], list[int]] = {}
@@ -225,12 +237,27 @@ def test_distributed_sampler_shards_and_set_epoch(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * (TIMEOUT + 30) + 60)  # two launches
 def test_init_process_group_env_and_file_rendezvous(tmp_path: Path) -> None:
     for init, out in (("env", torchrun("init_process_group.py", cwd=tmp_path)),
                       ("file", script("init_process_group.py", "--spawn", "2", cwd=tmp_path))):
         reports = per_rank(rf"rank (\d)/2 backend (gloo|nccl) init {init}:// all_reduce sum {NUM} expected {NUM}", out)
         assert all(r == ("gloo", "3.0", "3.0") for r in reports.values()), reports
         per_rank(r"rank (\d) clean teardown", out)
+
+
+@pytest.mark.slow
+def test_predict_to_parquet_index_once_in_order(tmp_path: Path) -> None:
+    out = script("predict_to_parquet.py", "--size", "101", "--batch-size", "8", "--out", str(tmp_path / "p.parquet"),
+                 cwd=tmp_path)
+    seen = per_rank(r"rank (\d) sees (\d+) rows written, per rank (\{[^}]*\})", out)
+    assert seen[0] == seen[1], "the ranks hold different manifests"
+    rows, counts = seen[0][0], ast.literal_eval(seen[0][1])
+    assert rows == "101" and sum(counts.values()) == 101 and all(c > 0 for c in counts.values()), seen
+    assert "columns ['index', 'probs', 'pred', 'label']; index == range(N): True" in out, out
+    found = re.search(r"max \|probs - single-process probs\| " + NUM, out)
+    assert found and float(found.group(1)) < 1e-6, out
+    assert (tmp_path / "p.manifest.json").is_file() and not (tmp_path / "p.parts").exists()
 
 
 def header_commands() -> list[str]:

@@ -74,6 +74,7 @@ def test_plain_ddp_with_different_local_seeds_overlaps(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(5 * (180 + 20) + 60)  # five fits, each under its own 180 s (+20 s) limit
 def test_same_seed_is_bit_identical_and_resume_continues(tmp_path: Path) -> None:
     a = fit(tmp_path / "a", "--seed", "1234", "--epochs", "4")
     b = fit(tmp_path / "b", "--seed", "1234", "--epochs", "4", "--local-seed-per-rank")

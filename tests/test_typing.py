@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.timeout(660)  # above mypy's own 600 s limit
 def test_package_is_typed_strict() -> None:
     assert (ROOT / "lightning_sync" / "py.typed").exists()
     proc = subprocess.run([sys.executable, "-m", "mypy", "lightning_sync"], cwd=ROOT, capture_output=True, text=True,

@@ -54,7 +54,20 @@ class TouchPoint:
             raise self.error()
 
     def error(self) -> UpstreamChangedError:
+        lightning, torch = version("lightning"), version("torch").split("+")[0]
+        tested = (f"lightning_sync is tested with lightning {LIGHTNING_TESTED[0]} to {LIGHTNING_TESTED[-1]} and torch "
+                  f"{TORCH_TESTED[0]} to {TORCH_TESTED[-1]}")
+        newer = [f"lightning {lightning}" if _newer(lightning, LIGHTNING_TESTED[-1]) else "",
+                 f"torch {torch}" if _newer(torch, TORCH_TESTED[-1]) else ""]
+        cause = (f"the upgrade to {' and '.join(n for n in newer if n)} broke it: pin the newest tested versions or "
+                 "upgrade lightning_sync" if any(newer) else
+                 "this is a lightning_sync bug for the versions installed: please report it")
         return UpstreamChangedError(
             f"lightning_sync relies on {self.name} ({self.used_for}); it is missing or changed in {installed()}. "
-            f"lightning_sync was tested on lightning {LIGHTNING_TESTED[0]} to {LIGHTNING_TESTED[-1]} with torch "
-            f"{TORCH_TESTED[-1]}: the upgrade past those broke it. Pin the versions tested or upgrade lightning_sync.")
+            f"{tested}; {cause}.")
+
+
+def _newer(installed_version: str, tested: str) -> bool:
+    from packaging.version import Version
+
+    return Version(installed_version) > Version(tested)

@@ -11,6 +11,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
     _launch_process_observer as launch_process_observer,
 )
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
@@ -27,16 +28,21 @@ __all__ = [
     "SubprocessScriptLauncher",
     "attached_trainer",
     "check_can_spawn_children",
+    "checkpoint_io_load_kwargs",
+
+
     "dataloader_with_batch_sampler",
     "index_batch_sampler",
     "unwrap_index_batch_sampler",
     "wrapped_sampler",
     "current_hook_name",
     "launch_process_observer",
+    "loop_dataloaders",
     "layer_sync",
     "load_checkpoint_kwargs",
     "logged_keys",
     "process_group_backend",
+    "seen_batch_indices",
     "process_group_timeout",
     "set_launcher",
     "set_layer_sync",
@@ -96,11 +102,19 @@ def set_launcher(strategy: DDPStrategy, launcher: Any) -> None:
 
 
 _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(DDPStrategy.load_checkpoint).parameters
+_CHECKPOINT_IO_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(TorchCheckpointIO.load_checkpoint).parameters
 
 
 def load_checkpoint_kwargs(weights_only: bool | None) -> dict[str, Any]:
     """``weights_only`` for ``Strategy.load_checkpoint`` where Lightning takes it (2.6.0 on)."""
     if weights_only is None or not _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY:
+        return {}
+    return {"weights_only": weights_only}
+
+
+def checkpoint_io_load_kwargs(weights_only: bool | None) -> dict[str, Any]:
+    """``weights_only`` for ``TorchCheckpointIO.load_checkpoint`` where Lightning takes it (2.6.0 on)."""
+    if weights_only is None or not _CHECKPOINT_IO_TAKES_WEIGHTS_ONLY:
         return {}
     return {"weights_only": weights_only}
 
@@ -223,6 +237,31 @@ def _params(fn: Any) -> set[str]:
     return set(inspect.signature(fn).parameters)
 
 
+# --------------------------------------------------------------------------- evaluation / predict loops
+
+
+def loop_dataloaders(loop: Any) -> list[Any]:
+    """An evaluation or predict loop's processed dataloaders, flattened (``dataloader_idx`` order)."""
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    combined = getattr(loop, "_combined_loader", None)
+    return list(combined.flattened) if isinstance(combined, CombinedLoader) else []
+
+
+def seen_batch_indices(batch_sampler: object) -> list[Any] | None:
+    """The list in which Lightning's index batch-sampler wrapper keeps every batch's indices, if any."""
+    seen = getattr(batch_sampler, "seen_batch_indices", None)
+    return seen if isinstance(seen, list) else None
+
+
+def _wrapper_keeps_indices() -> bool:
+    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    wrapper = _IndexBatchSamplerWrapper(BatchSampler(SequentialSampler(range(3)), 2, False))
+    return list(wrapper) == [[0, 1], [2]] and seen_batch_indices(wrapper) == [[0, 1], [2]]
+
+
 def _module_has_fx_name() -> bool:
     from lightning.pytorch import LightningModule
 
@@ -241,12 +280,14 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "the Hydra-aware launcher",
                lambda: {"_start_method", "_launcher"} <= set(_ddp_vars())
                and callable(getattr(DDPStrategy, "_configure_launcher", None))),
-    TouchPoint("lightning.pytorch.strategies.DDPStrategy.load_checkpoint(weights_only=...)",
+    TouchPoint("DDPStrategy.load_checkpoint and TorchCheckpointIO.load_checkpoint (weights_only=...)",
                "resume: weights_only passed only where Lightning takes it (2.6.0 on)",
-               lambda: _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY == (LIGHTNING_VERSION >= Version("2.6.0"))),
+               lambda: _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY == (LIGHTNING_VERSION >= Version("2.6.0"))
+               and _CHECKPOINT_IO_TAKES_WEIGHTS_ONLY == (LIGHTNING_VERSION >= Version("2.6.0"))),
     TouchPoint("lightning.pytorch.loops._FitLoop.max_batches and Trainer.val_check_batch",
                "uneven_batches='stop_together'",
-               lambda: hasattr(_trainer().fit_loop, "max_batches") and hasattr(_trainer(), "val_check_batch")),
+               lambda: hasattr(_trainer().fit_loop, "max_batches")
+               and "trainer.val_check_batch" in inspect.getsource(type(_trainer().fit_loop))),
     TouchPoint("lightning.pytorch.loops._FitLoop._combined_loader (CombinedLoader.limits)",
                "resume on another world size: batch count of later epochs",
                lambda: hasattr(_trainer().fit_loop, "_combined_loader")),
@@ -262,6 +303,13 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "(_call_children_scripts, _check_can_spawn_children, procs)", "base class of HydraDDPLauncher",
                lambda: all(callable(getattr(SubprocessScriptLauncher, n, None))
                            for n in ("launch", "_call_children_scripts", "_check_can_spawn_children"))),
+    TouchPoint("lightning.pytorch.loops (_EvaluationLoop, _PredictionLoop)._combined_loader",
+               "ValidationGather / PredictionWriter: which loader a batch came from",
+               lambda: hasattr(_trainer().predict_loop, "_combined_loader")
+               and hasattr(_trainer().validate_loop, "_combined_loader")),
+    TouchPoint("lightning.pytorch.overrides.distributed._IndexBatchSamplerWrapper.seen_batch_indices",
+               "PredictionWriter empties it (it keeps every index of the epoch) when nothing reads it",
+               _wrapper_keeps_indices),
     TouchPoint("lightning.pytorch.LightningModule._trainer", "exact_eval: the trainer state before attaching",
                lambda: "_trainer" in vars(__import__("lightning.pytorch", fromlist=["LightningModule"]).LightningModule())),
     TouchPoint("lightning.pytorch.utilities.data._get_dataloader_init_args_and_kwargs, "

@@ -11,7 +11,7 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
 from lightning_sync._compat import TouchPoint
 
-__all__ = ["DDP_IGNORE_ATTR", "TOUCH_POINTS", "BatchNormBase", "TorchSyncBatchNormFunction", "all_gather_single", "ddp_ignored_names",
+__all__ = ["DDP_IGNORE_ATTR", "TOUCH_POINTS", "BatchNormBase", "TorchSyncBatchNormFunction", "all_gather_single", "ddp_ignored_names", "default_store",
            "raise_group_count"]
 
 #: torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name is deprecated);
@@ -45,6 +45,11 @@ def raise_group_count(minimum: int) -> None:
         world.group_count = max(world.group_count, minimum)
 
 
+def default_store() -> Any:
+    """The default process group's rendezvous store (a ``torch.distributed.Store``)."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def _group_count_exists() -> bool:
     from torch.distributed import distributed_c10d as c10d
 
@@ -66,6 +71,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                lambda: issubclass(TorchSyncBatchNormFunction, torch.autograd.Function)),
     TouchPoint("DistributedDataParallel's _ddp_params_and_buffers_to_ignore",
                "SyncBatchNorm statistics kept out of DDP's buffer broadcast", _ddp_reads_ignore_attr),
+    TouchPoint("torch.distributed.distributed_c10d._get_default_store",
+               "PredictionWriter: ranks wait for rank 0's merge on the store, not in a collective",
+               lambda: callable(getattr(dist.distributed_c10d, "_get_default_store", None))),
     TouchPoint("torch.distributed.distributed_c10d._world.group_count",
                "process groups of successive torchrun jobs (launcher)", _group_count_exists),
 )

@@ -7,151 +7,35 @@ across ranks aborts gloo or returns garbage. ``ValidationGather`` records the da
 every row from the batch sampler, gathers once per epoch and removes the duplicates by index:
 exact with shuffling, custom samplers, ``drop_last`` and any number of dataloaders.
 
-How the indices are found, without touching the dataset: when Lightning prepares an evaluation
-dataloader (after injecting its ``DistributedSampler``), the callback wraps the strategy's
-``process_dataloader`` step and gives the dataloader's batch sampler a recording subclass (the same
-object; ``isinstance`` checks still hold). Batch samplers run in the main process, in order, even
-with ``num_workers > 0``, so the index lists they yield form a queue that the
-``on_*_batch_end`` hooks consume one batch at a time. Everything is restored at ``teardown``.
+The indices are found without touching the dataset, by recording what the batch sampler yields
+(:mod:`lightning_sync.recording`, shared with ``PredictionWriter``). Everything is restored at
+``teardown``.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_sync import collectives
 from lightning_sync.gathering import INDEX_KEY, RowCollector
+from lightning_sync.recording import OUTPUT_KEY, Stage, active_loaders, attach_recorder, detach_recorder
+from lightning_sync.recording import BatchLog as _BatchLog
+from lightning_sync.recording import Recorder as _Recorder
 
 __all__ = ["MetricFn", "Stage", "ValidationGather"]
 
-Stage = Literal["validate", "test", "predict"]
 #: A metric computed on the gathered outputs: ``fn(outputs) -> scalar`` (or any value, kept unlogged).
 MetricFn = Callable[[dict[str, Any]], Any]
 
 _STAGES: tuple[Stage, ...] = ("validate", "test", "predict")
-_RUNNING: dict[RunningStage, Stage] = {
-    RunningStage.SANITY_CHECKING: "validate",
-    RunningStage.VALIDATING: "validate",
-    RunningStage.TESTING: "test",
-    RunningStage.PREDICTING: "predict",
-}
 _HOOK = {"validate": "on_validation_gathered", "test": "on_test_gathered", "predict": "on_predict_gathered"}
 _PREFIX = {"validate": "val", "test": "test", "predict": "predict"}
-_ACTIVE = "_lightning_sync_gathers"  # strategy attributes while a ValidationGather is attached
-_PREVIOUS = "_lightning_sync_process_dataloader"
-#: Key for a ``*_step`` that returns a single tensor instead of a dict.
-OUTPUT_KEY = "output"
-
-
-# --------------------------------------------------------------------------------------------------
-# recording the indices each batch sampler yields
-
-
-class _BatchLog:
-    """The index lists one batch sampler yielded during the current pass, oldest first."""
-
-    def __init__(self) -> None:
-        self.pending: deque[list[Any]] = deque()
-
-    def start(self) -> None:
-        self.pending.clear()  # a new pass over the dataloader (a new epoch, or a new val run)
-
-    def push(self, batch: Any) -> None:
-        self.pending.append(list(batch) if isinstance(batch, (list, tuple, Tensor)) else [batch])
-
-    def pop(self) -> list[Any] | None:
-        return self.pending.popleft() if self.pending else None
-
-
-# id(sampler) -> the logs of every ValidationGather recording it (ids stay valid: the installers
-# hold a reference until they restore the class)
-_LOGS: dict[int, list[_BatchLog]] = {}
-_RECORDING: dict[type, type] = {}
-
-
-def _recording_class(cls: type) -> type:
-    """A subclass of ``cls`` whose ``__iter__`` also pushes every yielded batch to the logs."""
-    if cls in _RECORDING.values():
-        return cls
-    if cls not in _RECORDING:
-        iter_of_base: Callable[[Any], Iterator[Any]] = getattr(cls, "__iter__")  # noqa: B009
-
-        def __iter__(self: Any) -> Iterator[Any]:  # noqa: N807
-            inner = iter_of_base(self)
-            logs = _LOGS.get(id(self), [])
-            for log in logs:
-                log.start()
-            # next() rather than a for loop: samplers whose __iter__ returns self (Lightning's
-            # _IndexBatchSamplerWrapper) would otherwise re-enter this __iter__
-            while True:
-                try:
-                    batch = next(inner)
-                except StopIteration:
-                    return
-                for log in logs:
-                    log.push(batch)
-                yield batch
-
-        # empty __slots__: the layout equals cls's, so assigning __class__ is allowed
-        _RECORDING[cls] = type(f"Recording{cls.__name__}", (cls,), {"__slots__": (), "__iter__": __iter__,
-                                                                     "__module__": __name__})
-    return _RECORDING[cls]
-
-
-class _Recorder:
-    """Installs index recording on evaluation dataloaders and undoes it."""
-
-    def __init__(self) -> None:
-        self.logs: dict[int, tuple[object, _BatchLog | str]] = {}  # id(loader) -> its log, or why it has none
-        self._patched: list[tuple[Any, type, _BatchLog]] = []  # (sampler, its class before, our log)
-
-    def install(self, loader: object) -> None:
-        if not isinstance(loader, DataLoader) or id(loader) in self.logs:
-            return  # a custom iterable: the *_step must return the indices itself
-        if isinstance(loader.dataset, IterableDataset):
-            self.logs[id(loader)] = (loader, "its dataset is an IterableDataset, which has no dataset indices")
-            return
-        if getattr(loader, "in_order", True) is False:
-            self.logs[id(loader)] = (loader, "it was built with in_order=False, so batches may arrive out of order")
-            return
-        target = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-        before = type(target)
-        try:
-            target.__class__ = _recording_class(before)
-        except TypeError as err:
-            self.logs[id(loader)] = (loader, f"its sampler {before.__name__} cannot be instrumented ({err})")
-            return
-        log = _BatchLog()
-        _LOGS.setdefault(id(target), []).append(log)
-        self._patched.append((target, before, log))
-        self.logs[id(loader)] = (loader, log)
-
-    def lookup(self, loader: object) -> _BatchLog | str:
-        entry = self.logs.get(id(loader))
-        if entry is None or entry[0] is not loader:
-            return ("it is not a torch DataLoader" if not isinstance(loader, DataLoader)
-                    else "it was not prepared by the Trainer while this callback was attached")
-        return entry[1]
-
-    def uninstall(self) -> None:
-        for target, before, log in reversed(self._patched):
-            logs = _LOGS.get(id(target), [])
-            logs[:] = [other for other in logs if other is not log]
-            if not logs:  # no other ValidationGather records this sampler: give it its class back
-                _LOGS.pop(id(target), None)
-                target.__class__ = before if before not in _RECORDING.values() else before.__mro__[1]
-        self._patched.clear()
-        self.logs.clear()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,44 +143,14 @@ class ValidationGather(pl.Callback):
     # ---------------------------------------------------------------- install / uninstall
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._strategy is not None:
-            return
-        strategy = trainer.strategy
-        gathers: list[ValidationGather] | None = strategy.__dict__.get(_ACTIVE)
-        if gathers is None:
-            gathers = []
-            original = strategy.process_dataloader
-
-            def process_dataloader(dataloader: object) -> object:
-                dataloader = original(dataloader)
-                running = _RUNNING.get(trainer.state.stage) if trainer.state.stage is not None else None
-                for gather in gathers:
-                    if running in gather.stages:
-                        gather._recorder.install(dataloader)
-                return dataloader
-
-            # Lightning calls strategy.process_dataloader on every dataloader right after injecting
-            # its DistributedSampler and before the first iter(): the one point where the final
-            # batch sampler exists and has not yielded anything yet. One instance attribute per
-            # strategy, shared by every ValidationGather, removed when the last one tears down.
-            strategy.__dict__[_ACTIVE] = gathers
-            strategy.__dict__[_PREVIOUS] = strategy.__dict__.get("process_dataloader")
-            strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
-        gathers.append(self)
-        self._strategy = strategy
+        if self._strategy is None:
+            attach_recorder(trainer, self)
+            self._strategy = trainer.strategy
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy, self._strategy = self._strategy, None
         if strategy is not None:
-            gathers = strategy.__dict__.get(_ACTIVE, [])
-            gathers[:] = [g for g in gathers if g is not self]
-            if not gathers:
-                strategy.__dict__.pop(_ACTIVE, None)
-                previous = strategy.__dict__.pop(_PREVIOUS, None)
-                if previous is None:
-                    strategy.__dict__.pop("process_dataloader", None)
-                else:
-                    strategy.__dict__["process_dataloader"] = previous
+            detach_recorder(strategy, self)
         self._recorder.uninstall()
         self._collectors.clear()
 
@@ -310,7 +164,7 @@ class ValidationGather(pl.Callback):
         if stage not in self.stages:
             return
         collector = self._collectors.setdefault(dataloader_idx, RowCollector(offload_to_cpu=self.offload_to_cpu))
-        loaders = _active_loaders(trainer, stage)
+        loaders = active_loaders(trainer, stage)
         loader = loaders[dataloader_idx] if dataloader_idx < len(loaders) else None
         log = self._recorder.lookup(loader)
         recorded = log.pop() if isinstance(log, _BatchLog) else None
@@ -380,7 +234,7 @@ class ValidationGather(pl.Callback):
         if stage not in self.stages:
             return
         dst = 0 if self.rank_zero_only else None
-        count = len(_active_loaders(trainer, stage)) or (max(self._collectors, default=-1) + 1)
+        count = len(active_loaders(trainer, stage)) or (max(self._collectors, default=-1) + 1)
         results: dict[int, dict[str, Any]] = {}
         # every rank walks every dataloader in the same order, even one it ran no batch of
         for dataloader_idx in range(count):
@@ -485,18 +339,6 @@ class ValidationGather(pl.Callback):
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_end(trainer, pl_module, "predict")
-
-
-def _active_loaders(trainer: pl.Trainer, stage: Stage) -> list[Any]:
-    """The flattened dataloaders of the loop that is running now (dataloader_idx order)."""
-    if stage == "validate":
-        loop: Any = trainer.validate_loop if trainer.state.fn == "validate" else trainer.fit_loop.epoch_loop.val_loop
-    else:
-        loop = trainer.test_loop if stage == "test" else trainer.predict_loop
-    combined = getattr(loop, "_combined_loader", None)  # Lightning keeps the processed loaders here
-    if isinstance(combined, CombinedLoader):
-        return list(combined.flattened)
-    return []
 
 
 def _is_metric(obj: Any) -> bool:

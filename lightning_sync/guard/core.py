@@ -32,7 +32,7 @@ from lightning_sync.guard.callsite import CallSites
 from lightning_sync.guard.fingerprint import Fingerprint, Recorder
 from lightning_sync.guard.intercept import Interceptor
 from lightning_sync.guard.protocol import Exchange, stream_key
-from lightning_sync.guard.watchdog import Monitor, dump_stacks
+from lightning_sync.guard.watchdog import Monitor, StoreLostError, dump_stacks
 
 __all__ = ["CollectiveGuard"]
 
@@ -291,6 +291,12 @@ class CollectiveGuard:
         previous = recorder.enter(self._stream)
         try:
             while True:
+                failure = monitor.failure
+                if isinstance(failure, StoreLostError) and op == _CLOSING:
+                    # The rank hosting the store verified this rank's sequence and left first (its
+                    # comparisons cover every pair of neighbours but this one, which is redundant).
+                    monitor.picked_up = True
+                    return
                 failure = self._failure()
                 if failure is not None:
                     raise failure

@@ -28,6 +28,10 @@ _EXIT_CODE = 70
 _monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
 
 
+class StoreLostError(LightningSyncError):
+    """The rendezvous store stopped answering: the process hosting it (rank 0, or an agent) is gone."""
+
+
 def probe(beat: dict[str, Any]) -> str:
     """``"alive"``, ``"stopped"``, ``"dead"`` or ``"unknown"`` (another host) for a rank's published identity."""
     if beat.get("host") != socket.gethostname():
@@ -197,7 +201,7 @@ class Monitor:
         if self._store_lost_since is None:
             self._store_lost_since = now
         if now - self._store_lost_since > min(self.timeout, 5.0) and self._failure is None:
-            self.fail(LightningSyncError(
+            self.fail(StoreLostError(
                 f"rank {self.exchange.rank}: the rendezvous store stopped answering ({err}); the rank hosting it "
                 "(rank 0, or the launcher's agent) is gone, so the run cannot continue."), post=False, may_exit=False)
 

@@ -372,6 +372,13 @@ class CollectiveGuard:
         if monitor is None or recorder is None:
             return err
         time.sleep(0.2)  # a peer that just died: let its process become a zombie or go
+        # A peer that raised (a mismatch it saw first) and left closes the connection under us: its
+        # posted error says why, which beats gloo's "Connection closed by peer".
+        failure = self._failure() or monitor.peer_abort()
+        if failure is not None:
+            monitor.picked_up = True
+            failure.__cause__ = err
+            return failure
         lost = monitor.lost_peers(self._stream)
         if not lost:
             return err

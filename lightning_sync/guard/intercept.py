@@ -28,16 +28,20 @@ __all__ = ["GUARDED_OPS", "Interceptor", "abandon"]
 #: Collectives of the torch.distributed namespace that the guard intercepts. Point-to-point calls
 #: (send/recv) are left alone: their pairing legitimately differs by rank.
 GUARDED_OPS = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-    "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "broadcast",
+    "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
     "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
 )
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (same arguments); both
+# names are intercepted, whichever the caller uses.
 # For each op: (position, keyword) of the tensor whose dtype and shape must match on every rank,
 # and (position, keyword) of the argument that must match (reduce op, src or dst). None: nothing.
 _MATCH: dict[str, tuple[tuple[int, str] | None, tuple[int, str] | None]] = {
     "all_reduce": ((0, "tensor"), (1, "op")),
     "all_gather": ((1, "tensor"), None),
     "all_gather_into_tensor": ((1, "input_tensor"), None),
+    "all_gather_single": ((1, "input_tensor"), None),
+    "reduce_scatter_single": ((0, "output"), (2, "op")),
     "broadcast": ((0, "tensor"), (1, "src")),
     "broadcast_object_list": (None, (1, "src")),
     "reduce": ((0, "tensor"), (1, "dst")),
@@ -49,11 +53,13 @@ _MATCH: dict[str, tuple[tuple[int, str] | None, tuple[int, str] | None]] = {
     "scatter_object_list": (None, (2, "src")),
 }
 # Positional index of async_op per op that has one: calls passing it positionally run as written.
-_ASYNC_AT = {"all_reduce": 3, "all_gather": 3, "all_gather_into_tensor": 3, "broadcast": 3, "barrier": 1,
+_ASYNC_AT = {"all_reduce": 3, "all_gather": 3, "all_gather_into_tensor": 3, "all_gather_single": 3,
+             "reduce_scatter_single": 4, "broadcast": 3, "barrier": 1,
              "reduce": 4, "reduce_scatter": 4, "reduce_scatter_tensor": 4, "gather": 4, "scatter": 4,
              "all_to_all": 3, "all_to_all_single": 5}
 # Positional index of group per op (Lightning and user code pass it either way).
-_GROUP_AT = {"all_reduce": 2, "all_gather": 2, "all_gather_into_tensor": 2, "all_gather_object": 2, "broadcast": 2,
+_GROUP_AT = {"all_reduce": 2, "all_gather": 2, "all_gather_into_tensor": 2, "all_gather_single": 2,
+             "reduce_scatter_single": 3, "all_gather_object": 2, "broadcast": 2,
              "broadcast_object_list": 2, "barrier": 0, "reduce": 3, "reduce_scatter": 3, "reduce_scatter_tensor": 3,
              "gather": 3, "gather_object": 3, "scatter": 3, "scatter_object_list": 3, "all_to_all": 2,
              "all_to_all_single": 4}

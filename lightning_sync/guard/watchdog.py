@@ -284,6 +284,19 @@ class Monitor:
         if error is not None:
             self.fail(error)
 
+    def peer_abort(self) -> BaseException | None:
+        """The error a peer posted before it left, if any (asked when a collective failed under us)."""
+        try:
+            aborts = self.exchange.read_aborts()
+        except StoreUnavailable:
+            return None
+        if not aborts:
+            return None
+        r, message = sorted(aborts.items())[0]
+        kind, _, text = message.partition(": ")
+        self.fail(_rebuild(kind, text), post=False, stack=False)
+        return self._failure
+
     def lost_peers(self, stream: str) -> dict[int, str]:
         """Peers whose process is gone (same host) or silent; asked when a collective failed."""
         try:

@@ -69,10 +69,14 @@ def _fail(key: str, value: Any, why: str, fix: str) -> None:
     raise ConfigError(f"{key}={value}: {why}. Fix: {fix}")
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, *, this_machine: bool = True) -> None:
     """Checks what would otherwise fail late, after processes are spawned, or hang: every value
     against the schema (``lightning_sync.schema``: types from the constructors the config builds,
     ranges from the job's dataclasses), then the devices and the launcher's environment.
+
+    ``this_machine=False`` (a sweep whose launcher runs the jobs elsewhere, e.g. submitit_slurm)
+    skips what depends on the machine that checks: its GPUs and its launcher environment. Each job
+    checks those again where it starts.
 
     Raises:
         ConfigError: naming the key, the bad value and the fix.
@@ -96,6 +100,8 @@ def check_config(cfg: DictConfig) -> None:
               "trainer=cpu for one process without DDP")
     if not isinstance(num_nodes, int) or num_nodes < 1:
         _fail("trainer.num_nodes", num_nodes, "must be an integer >= 1", "trainer.num_nodes=1")
+    if not this_machine:
+        return
     if accel in ("gpu", "cuda") and not torch.cuda.is_available():
         _fail("trainer.accelerator", accel,
               f"this machine has no usable GPU (torch {torch.__version__}, torch.cuda.is_available() is False)",
@@ -125,12 +131,14 @@ class CheckConfig(Callback):
         problem = import_problem("hydra/launcher", str(launcher)) if launcher else None
         if problem is not None:  # hydra/launcher=submitit_* without the plugin installed
             raise SystemExit(f"lsync-train: config error: {problem}")
-        _check_or_exit(config)
+        # submitit_slurm runs the jobs on the cluster's nodes, not here: their GPUs and SLURM
+        # environment are checked when each job starts.
+        _check_or_exit(config, this_machine=not str(launcher).endswith("SlurmLauncher"))
 
 
-def _check_or_exit(config: DictConfig) -> None:
+def _check_or_exit(config: DictConfig, this_machine: bool = True) -> None:
     try:
-        check_config(config)
+        check_config(config, this_machine=this_machine)
     except ConfigError as err:  # one clear line, no traceback (SystemExit passes Hydra's error handler)
         raise SystemExit(f"lsync-train: config error: {err}") from None
 

@@ -545,12 +545,22 @@ def auto_resume_directories(resume: str) -> Any:
         dirs = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
         # Lightning's own SLURM preemption checkpoints (SIGUSR1 -> hpc_ckpt_N.ckpt in default_root_dir)
         hpc = sorted(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))
-        if not dirs and not hpc:
+        if not dirs and not hpc and _launched_rank() == 0:  # the same on every rank: said once
             log.warning("lightning_sync: resume='auto' has nowhere to look: no ModelCheckpoint(dirpath=...). A "
                         "restarted run starts fresh; set dirpath, or pass resume=<directory>.")
         return dirs + hpc
 
     return directories
+
+
+def _launched_rank() -> int:
+    """The global rank the launcher announced (before the process group exists); 0 if none did."""
+    import os
+
+    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
 
 
 # ------------------------------------------------------------------------------- elastic restarts

@@ -88,6 +88,17 @@ def _console_from_rank_zero_only() -> None:
     """One copy of everything on the console: Python warnings go through logging (into every rank's
     log file); ranks > 0 show only their own warnings and errors on the console; Lightning's product tips are dropped."""
     logging.captureWarnings(True)
+    # Python shows a warning once per place, but libraries that reset the warning filters (torch does,
+    # in catch_warnings blocks) make it show again: say each text once per process.
+    shown: set[str] = set()
+
+    def first_time(record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        new = text not in shown
+        shown.add(text)
+        return new
+
+    logging.getLogger("py.warnings").addFilter(first_time)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
         lambda record: not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:"))
     if global_rank() == 0:

@@ -8,9 +8,10 @@ Rank 0 decides, `broadcast_object` hands the decision to everyone, then EVERY ra
 The mistake: `if rank == 0: <collective>`. A collective completes only when every rank of the
 group has entered it; rank 0 waits inside, the others run on. Plain torch.distributed then hangs
 until the process-group timeout (30 min by default), or pairs rank 0's call with whatever
-collective the others reach next (garbage, or a gloo abort). lightning_sync's collectives compare
-call names first, so the same bug raises CollectiveMismatchError on every rank instead
-(--show-mistake runs it). The same holds for `trainer.should_stop` set on rank 0 only (rank 0 stops,
+collective the others reach next (garbage, or a gloo abort). Under ddp_sync the collective guard
+and lightning_sync's own collectives compare what every rank calls, so the same bug raises
+CollectiveMismatchError on every rank within seconds, naming both lines, and ends that run
+(--show-mistake runs it after the real training, in a short fit of its own). The same holds for `trainer.should_stop` set on rank 0 only (rank 0 stops,
 the others wait in the next step's gradient all-reduce) and for `trainer.save_checkpoint`, which
 every rank must call (Lightning writes the file on rank 0 only).
 """
@@ -29,10 +30,10 @@ from lightning_sync.collectives import broadcast_object, gather_objects
 
 
 class Model(L.LightningModule):
-    def __init__(self, stop_after: int, ckpt_dir: str, show_mistake: bool) -> None:
+    def __init__(self, stop_after: int, ckpt_dir: str) -> None:
         super().__init__()
         self.net = nn.Linear(4, 1)
-        self.stop_after, self.ckpt_dir, self.show_mistake = stop_after, Path(ckpt_dir), show_mistake
+        self.stop_after, self.ckpt_dir = stop_after, Path(ckpt_dir)
         self.best, self.epochs_run, self.last_loss = float("inf"), 0, 0.0
 
     def setup(self, stage: str) -> None:
@@ -40,16 +41,6 @@ class Model(L.LightningModule):
         lr = secrets.choice([0.01, 0.02, 0.05]) if self.global_rank == 0 else None
         self.lr = broadcast_object(lr)
         print(f"rank {self.global_rank} lr {self.lr}", flush=True)
-
-    def on_train_start(self) -> None:
-        if not self.show_mistake:
-            return
-        try:
-            if self.global_rank == 0:  # WRONG: only rank 0 enters this collective
-                broadcast_object("stop")
-            gather_objects(self.global_rank)  # the next collective every rank reaches
-        except ls.CollectiveMismatchError as err:  # raised on every rank, so they are in step again
-            print(f"rank {self.global_rank} caught CollectiveMismatchError: {err}", flush=True)
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
@@ -74,6 +65,18 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class RankZeroOnlyCollective(Model):
+    """The classic mistake: a collective inside `if rank == 0:`."""
+
+    def setup(self, stage: str) -> None:
+        self.lr = 0.01
+
+    def on_train_start(self) -> None:
+        if self.global_rank == 0:  # WRONG: only rank 0 enters this collective
+            broadcast_object("stop")
+        gather_objects(self.global_rank)  # the next collective every rank reaches
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--accelerator", default="cpu")
@@ -86,10 +89,16 @@ def main() -> None:
 
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=16)
-    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy="ddp_sync",
-                        max_epochs=args.max_epochs, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Model(args.stop_after, args.ckpt_dir, args.show_mistake), loader)
+    options = dict(accelerator=args.accelerator, devices=args.devices, strategy="ddp_sync", logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    L.Trainer(max_epochs=args.max_epochs, **options).fit(Model(args.stop_after, args.ckpt_dir), loader)
+
+    if args.show_mistake:
+        trainer = L.Trainer(max_epochs=1, **options)
+        try:
+            trainer.fit(RankZeroOnlyCollective(args.stop_after, args.ckpt_dir), loader)
+        except ls.CollectiveMismatchError as err:  # raised on every rank: nobody hangs, the run ends
+            print(f"rank {trainer.global_rank} caught CollectiveMismatchError: {err}", flush=True)
 
 
 if __name__ == "__main__":

@@ -162,14 +162,15 @@ def test_exact_validation_counts_every_sample_once(tmp_path: Path) -> None:
     out = script("exact_validation.py", "--size", "21", cwd=tmp_path)
     rows = per_rank(r"rank (\d) gathered (\d+) rows, index == range\(N\): (True|False)", out)
     assert rows[0] == rows[1] == ("21", "True")
-    metrics = per_rank(rf"rank (\d) padded: count (\d+) acc {NUM}; gathered: acc {NUM}", out)
+    metrics = per_rank(rf"rank (\d) self.log: count (\d+) acc {NUM}; gathered: acc {NUM}", out)
     assert metrics[0] == metrics[1]
-    count, _padded_acc, exact_acc = metrics[0]
-    assert count == "22", "Lightning's padded validation set should count one sample twice"
+    count, logged_acc, gathered_acc = metrics[0]
+    assert count == "21", "ddp_sync's plain self.log should count each of the 21 samples once (ddp: 22)"
     found = re.search(r"single-process accuracy over all 21 samples " + NUM, out)
     assert found, out
     reference = float(found.group(1))
-    assert math.isclose(float(exact_acc), reference, rel_tol=1e-6)
+    assert math.isclose(float(gathered_acc), reference, rel_tol=1e-6)
+    assert math.isclose(float(logged_acc), reference, rel_tol=1e-6), "self.log's epoch mean is not exact"
 
 
 @pytest.mark.slow

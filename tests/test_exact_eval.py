@@ -6,10 +6,6 @@ every configuration; 3 ranks: a few) whose ranks loop over many loaders and stag
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +14,13 @@ import torch
 from torch.utils.data import DistributedSampler, RandomSampler
 
 from lightning_sync.sampling import ExactEvalBatchSampler, global_order, is_integer_mean, plan_steps
+from tests.launch import launch_script, load_script, read_reports
 
 SCRIPT = Path(__file__).parent / "scripts" / "exact_eval.py"
 
 
 def _script() -> Any:
-    spec = importlib.util.spec_from_file_location("exact_eval", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 # ---------------------------------------------------------------- the plan, no processes
@@ -87,11 +80,8 @@ def test_integer_mean_detection() -> None:
 
 
 def launch(out: Path, world: int, *args: str, timeout: int = 420) -> list[dict[str, Any]]:
-    out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPT), "--out", str(out),
-                           "--devices", str(world), *args], capture_output=True, text=True, timeout=timeout + 20)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return [json.loads((out / f"report.rank{r}.json").read_text()) for r in range(world)]
+    launch_script(SCRIPT, out, "--devices", str(world), *args, timeout=timeout)
+    return read_reports(out, "report", world)
 
 
 def one_process(n: int) -> dict[str, float]:

@@ -3,11 +3,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,17 +19,14 @@ from lightning_sync import collectives as C
 from lightning_sync.callbacks.gather import _BatchLog, _Recorder
 from lightning_sync.gathering import RowCollector, dedup_by_index
 from tests.distributed import run_ranks
+from tests.launch import launch_script, load_script, read_reports
 
 SCRIPT = Path(__file__).parent / "scripts" / "eval_gather.py"
 BIG = 2**53 + 1  # any float32/float64 detour of an int64 index shows
 
 
 def _script_module() -> Any:
-    spec = importlib.util.spec_from_file_location("eval_gather", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 # ---------------------------------------------------------------- bookkeeping, no processes
@@ -216,16 +210,10 @@ def test_collector_on_real_ranks(world: int) -> None:
 
 
 def launch(out: Path, *args: str, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPT), "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=timeout + 20)
-    if check:
-        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
+    return launch_script(SCRIPT, out, *args, timeout=timeout, check=check)
 
 
-def reports(out: Path, phase: str, world: int) -> list[dict[str, Any]]:
-    return [json.loads((out / f"{phase}.rank{r}.json").read_text()) for r in range(world)]
+reports = read_reports
 
 
 def reference(weights: list[float], n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,6 @@ including 2,000,003 rows with rank 0's memory measured, and a resume after a ran
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from torch.utils.data import DataLoader
 
 import lightning_sync as ls
 from lightning_sync import rowstore
+from tests.launch import launch_script, load_script, read_reports
 
 pa = pytest.importorskip("pyarrow")  # the "parquet" extra; the test extra installs it
 pq = pytest.importorskip("pyarrow.parquet")
@@ -29,11 +29,7 @@ BIG = 2_000_003
 
 
 def _script() -> Any:
-    spec = importlib.util.spec_from_file_location("predict_parquet", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 # ---------------------------------------------------------------- no processes
@@ -179,16 +175,10 @@ def test_one_process_target_checks_and_resume(tmp_path: Path) -> None:
 
 
 def launch(out: Path, *args: str, timeout: int = 400, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPT), "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=timeout + 20)
-    if check:
-        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
+    return launch_script(SCRIPT, out, *args, timeout=timeout, check=check)
 
 
-def reports(out: Path, phase: str, world: int) -> list[dict[str, Any]]:
-    return [json.loads((out / f"{phase}.rank{r}.json").read_text()) for r in range(world)]
+reports = read_reports
 
 
 def check_columns(table: Any, n: int, rows: slice = slice(None)) -> None:

@@ -29,6 +29,7 @@ from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.guard.nccl import configure_nccl_flight_recorder
 from lightning_sync.sampling import ExactEvaluation, evaluation_limit, exact_eval_dataloader, is_integer_mean
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
+from lightning_sync.preemption import DeferredRequeue
 from lightning_sync.resume import ResumeHooks, init_process_group_after_restart, make_resumable
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
 
@@ -97,6 +98,7 @@ class SyncDDPStrategy(DDPStrategy):
         self._peers: list[Peer] = []
         self._resume_arg = resume
         self._resume = ResumeHooks()
+        self._requeue = DeferredRequeue()  # SLURM's requeue signal handled at a step boundary
 
     @property
     def seed(self) -> int | None:
@@ -196,6 +198,7 @@ class SyncDDPStrategy(DDPStrategy):
         super().on_train_start()
         self._resume.on_train_start()  # a mid-epoch checkpoint's RNG states, now that the iterator exists
         self._unguard_on_sigterm()
+        self._requeue.install(self.lightning_module.trainer)  # after Lightning registered its handlers
 
     def _unguard_on_sigterm(self) -> None:
         # Lightning's SIGTERM handler (installed after strategy.setup) broadcasts from rank 0. When a
@@ -318,6 +321,7 @@ class SyncDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._requeue.uninstall()
         super().teardown()  # unwraps DDP, reverts layer sync, moves the model to CPU
         # Free DDP's reducer before the process group goes: destroying them in the wrong order at
         # interpreter exit is what makes gloo processes SIGABRT ("terminate called without an

@@ -229,3 +229,48 @@ def test_resume_with_other_data_stops_before_training(tmp_path: Path, stopped_2r
     assert "ResumeError" in proc.stderr
     assert not (tmp_path / "resume").exists(), "training ran"
     assert {p.name: p.read_bytes() for p in ckpt.parent.glob("*.ckpt")} == before, "a checkpoint changed"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_slurm_requeue_signal_checkpoints_at_an_agreed_step_and_resumes_exactly(tmp_path: Path) -> None:
+    """Two ranks as `srun --ntasks-per-node=2` starts them (SLURM's environment variables; SLURMEnvironment
+    with auto-requeue, Lightning's default under SLURM); a stand-in `scontrol` on PATH records the requeue.
+    Rank 0 gets SIGUSR1 inside step 9, rank 1 inside step 10: Lightning's handler, run right there,
+    would call save_checkpoint's collectives at different steps. Under ddp_sync both save at the start
+    of step 10, and resuming that checkpoint ends bit-identical to the uninterrupted run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    out = tmp_path / "out"
+    plan = f"full:2@ref,preempt:2:9@pre,resume:2:{out / 'pre' / 'hpc_ckpt_1.ckpt'}@res"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")}
+    env |= {"PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", "PYTHONPATH": str(Path(__file__).parents[1]),
+            "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_JOB_NUM_NODES": "1",
+            "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "preempt", "SLURM_NODELIST": "localhost",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    procs = [subprocess.Popen(["timeout", "-k", "5", "400", sys.executable, str(SCRIPT), "--out", str(out),
+                               "--plan", plan], env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=430)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n=== rank 1 ===\n".join(log[-5000:] for log in logs)
+    pre = [json.loads((out / "pre" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [p["requeue_checkpoints"] for p in pre] == [1, 1], pre  # one agreed save, not one per signal
+    assert calls.read_text().split("\n")[0] == "requeue 4242", calls.read_text()  # rank 0 only, once
+    assert sorted(p.name for p in (out / "pre").glob("hpc_ckpt_*.ckpt")) == ["hpc_ckpt_1.ckpt"]
+    full, resumed = _steps(out / "ref", 2), _steps(out / "res", 2)
+    for r in range(2):
+        assert resumed[r] == full[r][10:], f"rank {r}: the resumed batches differ"
+    assert full[0][9][0] == full[0][10][0] == 1  # steps 9 and 10 lie inside epoch 1 (7 steps per epoch)
+    assert _weights_equal(out / "ref", out / "res", 2), "final weights differ from the uninterrupted run"

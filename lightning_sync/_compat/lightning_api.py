@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -33,6 +34,10 @@ __all__ = [
 
     "dataloader_with_batch_sampler",
     "index_batch_sampler",
+    "install_step_flag_broadcast",
+    "raise_sigterm_exception",
+    "remove_step_flag_broadcast",
+    "slurm_requeue_signal",
     "unwrap_index_batch_sampler",
     "wrapped_sampler",
     "current_hook_name",
@@ -212,6 +217,42 @@ def logged_keys(trainer: Any) -> list[str]:
     return sorted(results.keys()) if results is not None else []
 
 
+def slurm_requeue_signal(trainer: Any) -> int | None:
+    """The signal Lightning's SLURM auto-requeue handler listens to, or None when it has none."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    env = getattr(trainer.strategy, "cluster_environment", None)
+    if not isinstance(env, SLURMEnvironment) or not env.auto_requeue:
+        return None
+    return env.requeue_signal if env.requeue_signal is not None else int(signal.SIGUSR1)
+
+
+def install_step_flag_broadcast(trainer: Any, step_boundary: Any) -> Any:
+    """Replace, on this trainer's training epoch loop, the broadcast of rank 0's SIGTERM flag that
+    Lightning runs at the start of every training step (``_TrainingEpochLoop._broadcast_sigterm_tensor``,
+    with more than one rank) by ``step_boundary(trainer)``. Returns the loop."""
+    loop = trainer.fit_loop.epoch_loop
+    loop._broadcast_sigterm_tensor = lambda: step_boundary(trainer)
+    return loop
+
+
+def remove_step_flag_broadcast(loop: Any) -> None:
+    if loop is not None:
+        loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+
+def raise_sigterm_exception() -> None:
+    """What Lightning's step broadcast does when rank 0 got SIGTERM: meet, then leave the loop."""
+    import contextlib
+
+    import torch.distributed as dist
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    with contextlib.suppress(Exception):
+        dist.barrier()
+    raise SIGTERMException()
+
+
 # --------------------------------------------------------------------------- launcher
 
 
@@ -260,6 +301,13 @@ def _wrapper_keeps_indices() -> bool:
 
     wrapper = _IndexBatchSamplerWrapper(BatchSampler(SequentialSampler(range(3)), 2, False))
     return list(wrapper) == [[0, 1], [2]] and seen_batch_indices(wrapper) == [[0, 1], [2]]
+
+
+def _step_broadcast_fits() -> bool:
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    return (callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None))
+            and "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance))
 
 
 def _module_has_fx_name() -> bool:
@@ -316,6 +364,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "lightning.fabric.utilities.data._reinstantiate_wrapped_cls, _IndexBatchSamplerWrapper._batch_sampler, "
                "_DatasetSamplerWrapper._sampler", "exact_eval: evaluation loaders re-cut with an exact batch sampler",
                _exact_eval_names_fit),
+    TouchPoint("lightning.pytorch.loops._TrainingEpochLoop._broadcast_sigterm_tensor (called by advance each step)",
+               "SLURM requeue checkpoint at a step every rank agrees on (lightning_sync.preemption)",
+               _step_broadcast_fits),
     TouchPoint("lightning.fabric.strategies.registry._StrategyRegistry", "type of StrategyRegistry (annotations)",
                lambda: callable(getattr(StrategyRegistry, "register", None))
                and {"name", "strategy", "description", "override"} <= _params(StrategyRegistry.register)),

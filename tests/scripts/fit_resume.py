@@ -7,6 +7,9 @@ PLAN is a comma-separated list of fits run one after the other in the same rank 
   full:E            uninterrupted, E epochs
   stop:E:S:K        E epochs, stopped after S steps (-1: not), ModelCheckpoint every K steps into OUT/<tag>/
   resume:E:CKPT     resume CKPT (a path, or a stop TAG of this plan: its last.ckpt) to E epochs
+  preempt:E:S       E epochs; rank r sends itself SLURM's requeue signal (SIGUSR1) inside training step
+                    S + r (the ranks see it at different steps), stopped 3 steps later; Lightning's
+                    requeue checkpoint goes to OUT/<tag>/ (run under a SLURM environment: tests set one)
 Every training step records the epoch, its batch's dataset indices and the augmentation drawn in
 __getitem__ (inside the worker when num_workers > 0); the final weights are saved per rank.
 """
@@ -52,8 +55,11 @@ class Model(L.LightningModule):
         self.steps: list[list] = []
 
     kill_at = -1  # under torchrun's first attempt, rank 1 SIGKILLs itself at this global step
+    usr1_at = -1  # rank r sends itself SIGUSR1 at this global step + r
 
     def training_step(self, batch, batch_idx):
+        if self.usr1_at >= 0 and self.global_step == self.usr1_at + self.global_rank:
+            os.kill(os.getpid(), signal.SIGUSR1)
         if (self.global_step == self.kill_at and self.global_rank == 1
                 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -72,9 +78,11 @@ class Report(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, model: Model) -> None:
         r = trainer.global_rank
         self.out.mkdir(parents=True, exist_ok=True)
+        requeue = getattr(trainer.strategy, "_requeue", None)
         (self.out / f"rank{r}.json").write_text(json.dumps({"rank": r, "world": trainer.world_size,
                                                             "seed": trainer.strategy.seed, "steps": model.steps,
-                                                            "global_step": trainer.global_step}))
+                                                            "global_step": trainer.global_step,
+                                                            "requeue_checkpoints": getattr(requeue, "handled", 0)}))
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, self.out / f"rank{r}.pt")
 
 
@@ -88,16 +96,19 @@ def run(out: Path, kind: str, args: list[str], tag: str, opts: argparse.Namespac
         max_steps = int(args[1])
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out / tag, every_n_train_steps=int(args[2]),
                                                              save_top_k=-1, save_last=True))
+    if kind == "preempt":
+        max_steps = int(args[1]) + 3
     if kind == "resume":
         ckpt = args[1] if "/" in args[1] else str(out / args[1] / "last.ckpt")
     strategy = ls.SyncDDPStrategy(seed=None if kind == "resume" else 1234, resume=opts.auto)
     trainer = L.Trainer(accelerator="cpu", devices=opts.devices, strategy=strategy, max_epochs=epochs,
                         max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=kind == "stop", callbacks=callbacks, limit_val_batches=0,
-                        num_sanity_val_steps=0)
+                        num_sanity_val_steps=0, default_root_dir=out / tag)
     torch.manual_seed(int(os.environ.get("LOCAL_RANK", 0)) + 77)  # ranks start apart: ddp_sync must align them
     model = Model()
     model.kill_at = opts.kill_at
+    model.usr1_at = int(args[1]) if kind == "preempt" else -1
     loader = DataLoader(Augmented(opts.n), batch_size=opts.batch_size, shuffle=True, num_workers=workers,
                         persistent_workers=persistent)
     trainer.fit(model, loader, ckpt_path=ckpt)

@@ -1,0 +1,95 @@
+"""SLURM preemption under ``ddp_sync``: the requeue checkpoint is written at a step every rank agrees on.
+
+Lightning's SLURM support (``SLURMEnvironment(auto_requeue=True)``, the default under SLURM) saves
+``hpc_ckpt_N.ckpt`` and runs ``scontrol requeue`` from inside the handler of SLURM's requeue
+signal (SIGUSR1, sent ahead of the time limit with ``#SBATCH --signal=SIGUSR1@90``). A Python
+signal handler runs wherever the rank happens to be, and ranks are rarely at the same place:
+``save_checkpoint`` issues collectives (a barrier; under ``ddp_sync`` also the gather of every rank's
+loader and RNG states), so one rank enters them while another is in the next step's gradient
+all-reduce: a hang, a collective paired with the wrong one, or a mid-step checkpoint.
+
+``ddp_sync`` keeps Lightning's handler but runs it at a step boundary. The signal only notes the
+request; at the start of every training step Lightning already broadcasts rank 0's SIGTERM flag (one
+element, every step), and ``ddp_sync`` widens that tensor by a second element, the requeue request.
+Every rank then runs Lightning's handler at the same step, between two batches, so the checkpoint is
+a mid-epoch checkpoint like any other and resumes to the exact batch (``docs/resume.md``). No
+collective is added. Rank 0's request decides (SLURM signals every task of the step).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any, Callable
+
+import torch
+
+from lightning_sync._compat import lightning_api as compat
+from lightning_sync.errors import LightningSyncError
+
+__all__ = ["DeferredRequeue"]
+
+
+class DeferredRequeue:
+    """Runs Lightning's SLURM requeue handler at the next step boundary, on every rank at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.handled = 0  # how many requeue checkpoints this process wrote (tests read it)
+        self._signum: int | None = None
+        self._handler: Callable[[int, Any], Any] | None = None
+        self._loop: Any = None
+
+    @property
+    def installed(self) -> bool:
+        return self._handler is not None
+
+    def install(self, trainer: Any) -> bool:
+        """Take over the requeue signal from Lightning's handler (call after Lightning registered it,
+        e.g. in ``on_train_start``). Returns whether it did: only under SLURM with auto-requeue, with
+        more than one rank, from the main thread."""
+        if self._handler is not None or trainer.world_size < 2:
+            return False
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        signum = compat.slurm_requeue_signal(trainer)
+        if signum is None:
+            return False
+        handler = signal.getsignal(signum)
+        if not callable(handler):  # Lightning registered none (the user's own handler was there first)
+            return False
+        self._signum, self._handler = signum, handler
+        signal.signal(signum, self._note)
+        self._loop = compat.install_step_flag_broadcast(trainer, self._step_boundary)
+        return True
+
+    def uninstall(self) -> None:
+        """Put Lightning's handler and its step broadcast back (Lightning's own teardown then restores
+        the handlers it found)."""
+        if self._handler is None:
+            return
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(self._signum) == self._note:
+            signal.signal(self._signum, self._handler)  # type: ignore[arg-type]
+        compat.remove_step_flag_broadcast(self._loop)
+        self._handler, self._loop, self.requested = None, None, False
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def _step_boundary(self, trainer: Any) -> None:
+        """Lightning's per-step SIGTERM broadcast, with the requeue request beside the SIGTERM flag."""
+        flags = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False))), int(self.requested)],
+                             device=trainer.strategy.root_device)
+        try:
+            torch.distributed.broadcast(flags, src=0)
+        except LightningSyncError:
+            raise  # the collective guard's finding: not a reason to carry on as if nothing was sent
+        except Exception:  # noqa: BLE001 - as Lightning: a failed broadcast is no SIGTERM
+            flags = torch.zeros(2, dtype=torch.long)
+        sigterm, requeue = (int(v) for v in flags.tolist())
+        if requeue and self._handler is not None:
+            self.requested = False
+            self.handled += 1
+            self._handler(self._signum, None)  # type: ignore[arg-type]  # every rank: save, rank 0 requeues
+        if sigterm:
+            compat.raise_sigterm_exception()

@@ -5,15 +5,12 @@
     python recipes/broadcast_decision.py --show-mistake                   # also run the classic mistake
 
 Rank 0 decides, `broadcast_object` hands the decision to everyone, then EVERY rank acts on it.
-The mistake: `if rank == 0: <collective>`. A collective completes only when every rank of the
-group has entered it; rank 0 waits inside, the others run on. Plain torch.distributed then hangs
-until the process-group timeout (30 min by default), or pairs rank 0's call with whatever
-collective the others reach next (garbage, or a gloo abort). Under ddp_sync the collective guard
-and lightning_sync's own collectives compare what every rank calls, so the same bug raises
-CollectiveMismatchError on every rank within seconds, naming both lines, and ends that run
-(--show-mistake runs it after the real training, in a short fit of its own). The same holds for `trainer.should_stop` set on rank 0 only (rank 0 stops,
-the others wait in the next step's gradient all-reduce) and for `trainer.save_checkpoint`, which
-every rank must call (Lightning writes the file on rank 0 only).
+The mistake: `if rank == 0: <collective>`. A collective completes only when every rank has entered
+it: plain torch.distributed hangs until the process-group timeout (30 min by default) or pairs the
+call with whatever the others reach next. Under ddp_sync the same bug raises
+CollectiveMismatchError on every rank within seconds, naming both lines, and ends that fit
+(--show-mistake runs it after the real training). The same holds for `trainer.should_stop` set on
+rank 0 only and for `trainer.save_checkpoint`, which every rank must call.
 """
 
 import argparse
@@ -37,8 +34,7 @@ class Model(L.LightningModule):
         self.best, self.epochs_run, self.last_loss = float("inf"), 0, 0.0
 
     def setup(self, stage: str) -> None:
-        # A value only rank 0 has (OS entropy here; a search service or a file in real life).
-        lr = secrets.choice([0.01, 0.02, 0.05]) if self.global_rank == 0 else None
+        lr = secrets.choice([0.01, 0.02, 0.05]) if self.global_rank == 0 else None  # only rank 0 has it (OS entropy)
         self.lr = broadcast_object(lr)
         print(f"rank {self.global_rank} lr {self.lr}", flush=True)
 
@@ -65,10 +61,8 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-class RankZeroOnlyCollective(Model):
-    """The classic mistake: a collective inside `if rank == 0:`."""
-
-    def setup(self, stage: str) -> None:
+class RankZeroOnlyCollective(Model):  # the classic mistake: a collective inside `if rank == 0:`
+    def setup(self, stage: str) -> None:  # (no lr broadcast this time)
         self.lr = 0.01
 
     def on_train_start(self) -> None:
@@ -95,9 +89,9 @@ def main() -> None:
 
     if args.show_mistake:
         trainer = L.Trainer(max_epochs=1, **options)
-        try:
+        try:  # rank 0 broadcasts, the others gather: CollectiveMismatchError on every rank
             trainer.fit(RankZeroOnlyCollective(args.stop_after, args.ckpt_dir), loader)
-        except ls.CollectiveMismatchError as err:  # raised on every rank: nobody hangs, the run ends
+        except ls.CollectiveMismatchError as err:
             print(f"rank {trainer.global_rank} caught CollectiveMismatchError: {err}", flush=True)
 
 

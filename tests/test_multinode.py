@@ -214,3 +214,57 @@ def test_sigkilled_rank_takes_every_process_down_by_name(cluster: Cluster, tmp_p
     # n1's torchrun names the rank it lost; n0's ranks name the node and its ranks (lightning_sync.peers)
     assert "rank      : 3 (local_rank: 1)" in n1.stdout and "Signal 9 (SIGKILL)" in n1.stdout, n1.stdout[-3000:]
     assert "lost contact with rank 2 or 3 (host n1, 10.200.0.2)" in n0.stdout, n0.stdout[-6000:]
+
+
+# ------------------------------------------------------------------ preempted and requeued
+
+
+def _job_state(cluster: Cluster, job_id: str) -> dict[str, str]:
+    info = cluster.run("n0", "scontrol", "show", "job", job_id, timeout=20).stdout
+    return dict(w.split("=", 1) for w in info.split() if "=" in w)
+
+
+def test_sbatch_requeue_signal_resumes_to_the_uninterrupted_result(cluster: Cluster, tmp_path: Path,
+                                                                 reference: dict[str, Any]) -> None:
+    """`sbatch --requeue` on 2 nodes x 2 tasks; SIGUSR1 to every task mid-training (what
+    `#SBATCH --signal=SIGUSR1@90` sends before the time limit): every rank writes Lightning's
+    hpc_ckpt_1.ckpt at the same step, rank 0 runs `scontrol requeue`, SLURM restarts the job, and
+    lsync-train resumes from the checkpoint to the very accuracy of the uninterrupted run."""
+    assert _wait_idle(cluster, 60), "leftovers from an earlier test"
+    run = tmp_path / "requeued"
+    out_file = cluster.dir / "jobs" / f"requeue-{os.getpid()}.out"
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    before = link_bytes(cluster)
+    sub = cluster.run("n0", "sbatch", "--parsable", "--requeue", "--open-mode=append", f"--output={out_file}",
+                      str(RECIPES / "launch_slurm.sbatch"), f"seed={SEED}", *TRAIN, f"hydra.run.dir={run}", timeout=30)
+    job_id = sub.stdout.strip().splitlines()[-1].split(";")[0] if sub.returncode == 0 else ""
+    assert job_id.isdigit(), sub.stdout
+    try:
+        deadline = time.monotonic() + 200
+        while link_bytes(cluster) - before < 3_000_000:  # ~13 steps of gradients: inside epoch 1 of 3
+            assert time.monotonic() < deadline, "training never started:\n" + out_file.read_text()[-4000:]
+            time.sleep(0.2)
+        signalled = cluster.run("n0", "scancel", "--signal=USR1", job_id, timeout=20)
+        assert signalled.returncode == 0, signalled.stdout
+        deadline = time.monotonic() + 300
+        restarted = False
+        while time.monotonic() < deadline:
+            state = _job_state(cluster, job_id)
+            if int(state.get("Restarts", "0")) >= 1 and state.get("JobState") == "PENDING" and not restarted:
+                # SLURM holds a requeued job until its BeginTime (a delay of its own); no reason to wait here
+                cluster.run("n0", "scontrol", "update", f"JobId={job_id}", "StartTime=now", timeout=20)
+                restarted = True
+            if state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"job {job_id} did not finish: {state}\n" + out_file.read_text()[-6000:])
+    finally:
+        cluster.run("n0", "scancel", job_id, timeout=20)
+    output = out_file.read_text()
+    assert state["JobState"] == "COMPLETED" and state.get("Restarts") == "1", (state, output[-6000:])
+    assert (run / "hpc_ckpt_1.ckpt").is_file() and not (run / "hpc_ckpt_2.ckpt").exists()
+    assert "resuming from" in output and "hpc_ckpt_1.ckpt" in output, output[-6000:]
+    result = summary(run, output)
+    assert result["world_size"] == 4 and result["val_acc"] == reference["val_acc"], (result, reference)
+    assert _wait_idle(cluster, 60), {**_node_pids(cluster, "n0"), **_node_pids(cluster, "n1")}

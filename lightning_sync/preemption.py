@@ -8,12 +8,14 @@ signal handler runs wherever the rank happens to be, and ranks are rarely at the
 loader and RNG states), so one rank enters them while another is in the next step's gradient
 all-reduce: a hang, a collective paired with the wrong one, or a mid-step checkpoint.
 
-``ddp_sync`` keeps Lightning's handler but runs it at a step boundary. The signal only notes the
-request; at the start of every training step Lightning already broadcasts rank 0's SIGTERM flag (one
-element, every step), and ``ddp_sync`` widens that tensor by a second element, the requeue request.
-Every rank then runs Lightning's handler at the same step, between two batches, so the checkpoint is
-a mid-epoch checkpoint like any other and resumes to the exact batch (``docs/resume.md``). No
-collective is added. Rank 0's request decides (SLURM signals every task of the step).
+``ddp_sync`` keeps Lightning's handler but runs it where every rank agrees. The signal only notes
+the request; at the start of every training step Lightning already broadcasts rank 0's SIGTERM flag
+(one element, every step), and ``ddp_sync`` widens that tensor by a second element, the requeue
+request. Every rank then runs Lightning's handler at the end of that same step (``on_train_batch_end``,
+where ``ModelCheckpoint(every_n_train_steps=...)`` saves too), so the checkpoint is a mid-epoch
+checkpoint like any other and resumes to the exact batch (``docs/resume.md``); at the start of a step
+the next batch's random augmentation has already been drawn, and a checkpoint there would draw it
+again on resume. No collective is added. Rank 0's request decides (SLURM signals every task).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class DeferredRequeue:
 
     def __init__(self) -> None:
         self.requested = False
+        self.due = False  # every rank agreed: save at the end of this training step
         self.handled = 0  # how many requeue checkpoints this process wrote (tests read it)
         self._signum: int | None = None
         self._handler: Callable[[int, Any], Any] | None = None
@@ -71,7 +74,7 @@ class DeferredRequeue:
         if threading.current_thread() is threading.main_thread() and signal.getsignal(self._signum) == self._note:
             signal.signal(self._signum, self._handler)  # type: ignore[arg-type]
         compat.remove_step_flag_broadcast(self._loop)
-        self._handler, self._loop, self.requested = None, None, False
+        self._handler, self._loop, self.requested, self.due = None, None, False, False
 
     def _note(self, signum: int, frame: Any) -> None:
         self.requested = True
@@ -87,9 +90,14 @@ class DeferredRequeue:
         except Exception:  # noqa: BLE001 - as Lightning: a failed broadcast is no SIGTERM
             flags = torch.zeros(2, dtype=torch.long)
         sigterm, requeue = (int(v) for v in flags.tolist())
-        if requeue and self._handler is not None:
-            self.requested = False
-            self.handled += 1
-            self._handler(self._signum, None)  # type: ignore[arg-type]  # every rank: save, rank 0 requeues
+        if requeue:
+            self.requested, self.due = False, True
         if sigterm:
             compat.raise_sigterm_exception()
+
+    def on_train_batch_end(self) -> None:
+        """Run Lightning's handler where every rank agreed to: every rank saves, rank 0 requeues."""
+        if self.due and self._handler is not None:
+            self.due = False
+            self.handled += 1
+            self._handler(self._signum, None)  # type: ignore[arg-type]

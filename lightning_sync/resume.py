@@ -469,7 +469,11 @@ class ResumeHooks:
             # continues; the uninterrupted run made that draw at the epoch's start, before the checkpoint.
             self._rng_after_iterator = rng_states[rank]
 
-    def on_train_start(self) -> None:
+    def on_train_start(self, trainer: Any = None) -> None:
+        if trainer is not None:
+            from lightning_sync._compat.lightning_api import load_pending_train_loader_state
+
+            load_pending_train_loader_state(trainer)  # before the RNG states: a new iterator draws a seed
         if self._rng_after_iterator is not None:
             from lightning_sync.seeding import _restore_rng_state
 
@@ -527,7 +531,7 @@ def install_auto_resume(launcher: Any, directories: Any) -> None:
                     log.warning("lightning_sync: resume: resuming from %s (the newest complete checkpoint under "
                                 "%s).", chosen, where)
                     bound.arguments["ckpt_path"] = str(chosen)
-                else:
+                elif dirs:
                     log.info("lightning_sync: resume: no checkpoint under %s; starting fresh.", where)
                 args, kwargs = bound.args, bound.kwargs
         return inner(function, *args, trainer=trainer, **kwargs)

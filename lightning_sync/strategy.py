@@ -196,7 +196,9 @@ class SyncDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._resume.on_train_start()  # a mid-epoch checkpoint's RNG states, now that the iterator exists
+        # a mid-epoch checkpoint's loader position (if Lightning set the loader up before restoring it),
+        # then its RNG states, now that the iterator exists
+        self._resume.on_train_start(self.lightning_module.trainer)
         self._unguard_on_sigterm()
         self._requeue.install(self.lightning_module.trainer)  # after Lightning registered its handlers
 
@@ -318,6 +320,14 @@ class SyncDDPStrategy(DDPStrategy):
             # (30 s under torchrun); unguarded, gloo fails at once.
             self._guard.uninstall()
         super().on_exception(exception)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _compat.is_run_stage_barrier(name) and self.lightning_module is not None:
+            # Lightning registered its signal handlers just before: SLURM's requeue signal waits for a
+            # training step boundary from here on, through the sanity check and validation too
+            self._requeue.install(self.lightning_module.trainer)
+        super().barrier(name)
 
     @override
     def teardown(self) -> None:

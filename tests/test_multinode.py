@@ -224,24 +224,30 @@ def _job_state(cluster: Cluster, job_id: str) -> dict[str, str]:
     return dict(w.split("=", 1) for w in info.split() if "=" in w)
 
 
-def test_sbatch_requeue_signal_resumes_to_the_uninterrupted_result(cluster: Cluster, tmp_path: Path,
-                                                                 reference: dict[str, Any]) -> None:
-    """`sbatch --requeue` on 2 nodes x 2 tasks; SIGUSR1 to every task mid-training (what
+def test_sbatch_requeue_signal_resumes_to_the_uninterrupted_result(cluster: Cluster, tmp_path: Path) -> None:
+    """`sbatch --requeue` on 2 nodes x 1 task; SIGUSR1 to every task mid-training (what
     `#SBATCH --signal=SIGUSR1@90` sends before the time limit): every rank writes Lightning's
     hpc_ckpt_1.ckpt at the same step, rank 0 runs `scontrol requeue`, SLURM restarts the job, and
-    lsync-train resumes from the checkpoint to the very accuracy of the uninterrupted run."""
+    lsync-train resumes from the checkpoint to the very accuracy of an uninterrupted 2-rank run.
+    (2 ranks: with more, DDP's first all-reduce after a resume sums in another order; docs/resume.md.)"""
+    ref_run = tmp_path / "reference"
+    ref = cluster.run("n0", "lsync-train", f"seed={SEED}", *TRAIN, "trainer.devices=2", f"hydra.run.dir={ref_run}",
+                      timeout=240)
+    assert ref.returncode == 0, ref.stdout[-6000:]
+    reference = summary(ref_run, ref.stdout)
     assert _wait_idle(cluster, 60), "leftovers from an earlier test"
     run = tmp_path / "requeued"
     out_file = cluster.dir / "jobs" / f"requeue-{os.getpid()}.out"
     out_file.parent.mkdir(parents=True, exist_ok=True)
     before = link_bytes(cluster)
     sub = cluster.run("n0", "sbatch", "--parsable", "--requeue", "--open-mode=append", f"--output={out_file}",
-                      str(RECIPES / "launch_slurm.sbatch"), f"seed={SEED}", *TRAIN, f"hydra.run.dir={run}", timeout=30)
+                      "--ntasks-per-node=1", str(RECIPES / "launch_slurm.sbatch"), f"seed={SEED}", *TRAIN,
+                      f"hydra.run.dir={run}", timeout=30)
     job_id = sub.stdout.strip().splitlines()[-1].split(";")[0] if sub.returncode == 0 else ""
     assert job_id.isdigit(), sub.stdout
     try:
         deadline = time.monotonic() + 200
-        while link_bytes(cluster) - before < 3_000_000:  # ~13 steps of gradients: inside epoch 1 of 3
+        while link_bytes(cluster) - before < 3_000_000:  # ~13 steps of gradients: inside epoch 0 of 3 (22 steps)
             assert time.monotonic() < deadline, "training never started:\n" + out_file.read_text()[-4000:]
             time.sleep(0.2)
         signalled = cluster.run("n0", "scancel", "--signal=USR1", job_id, timeout=20)
@@ -266,5 +272,6 @@ def test_sbatch_requeue_signal_resumes_to_the_uninterrupted_result(cluster: Clus
     assert (run / "hpc_ckpt_1.ckpt").is_file() and not (run / "hpc_ckpt_2.ckpt").exists()
     assert "resuming from" in output and "hpc_ckpt_1.ckpt" in output, output[-6000:]
     result = summary(run, output)
-    assert result["world_size"] == 4 and result["val_acc"] == reference["val_acc"], (result, reference)
+    assert result["world_size"] == reference["world_size"] == 2, (result, reference)
+    assert result["val_acc"] == reference["val_acc"], (result, reference)  # exact, not approximately
     assert _wait_idle(cluster, 60), {**_node_pids(cluster, "n0"), **_node_pids(cluster, "n1")}

@@ -241,19 +241,20 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_slurm_requeue_signal_checkpoints_at_an_agreed_step_and_resumes_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("step", [9, 6])  # 6: rank 0's signal in epoch 0's last step, the save in epoch 1's first
+def test_slurm_requeue_signal_checkpoints_at_an_agreed_step_and_resumes_exactly(tmp_path: Path, step: int) -> None:
     """Two ranks as `srun --ntasks-per-node=2` starts them (SLURM's environment variables; SLURMEnvironment
     with auto-requeue, Lightning's default under SLURM); a stand-in `scontrol` on PATH records the requeue.
-    Rank 0 gets SIGUSR1 inside step 9, rank 1 inside step 10: Lightning's handler, run right there,
-    would call save_checkpoint's collectives at different steps. Under ddp_sync both save at the start
-    of step 10, and resuming that checkpoint ends bit-identical to the uninterrupted run."""
+    Rank 0 gets SIGUSR1 inside step S, rank 1 inside step S+1: Lightning's handler, run right there,
+    would call save_checkpoint's collectives at different steps. Under ddp_sync both agree at the start
+    of step S+1 and save at its end; resuming that checkpoint ends bit-identical to the uninterrupted run."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol.calls"
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
     (bin_dir / "scontrol").chmod(0o755)
     out = tmp_path / "out"
-    plan = f"full:2@ref,preempt:2:9@pre,resume:2:{out / 'pre' / 'hpc_ckpt_1.ckpt'}@res"
+    plan = f"full:2@ref,preempt:2:{step}@pre,resume:2:{out / 'pre' / 'hpc_ckpt_1.ckpt'}@res"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))
            and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")}
     env |= {"PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", "PYTHONPATH": str(Path(__file__).parents[1]),
@@ -271,6 +272,6 @@ def test_slurm_requeue_signal_checkpoints_at_an_agreed_step_and_resumes_exactly(
     assert sorted(p.name for p in (out / "pre").glob("hpc_ckpt_*.ckpt")) == ["hpc_ckpt_1.ckpt"]
     full, resumed = _steps(out / "ref", 2), _steps(out / "res", 2)
     for r in range(2):
-        assert resumed[r] == full[r][10:], f"rank {r}: the resumed batches differ"
-    assert full[0][9][0] == full[0][10][0] == 1  # steps 9 and 10 lie inside epoch 1 (7 steps per epoch)
+        assert resumed[r] == full[r][step + 2:], f"rank {r}: the resumed batches differ"
+    assert full[0][step + 1][0] == 1  # epoch 1 (7 steps per epoch)
     assert _weights_equal(out / "ref", out / "res", 2), "final weights differ from the uninterrupted run"

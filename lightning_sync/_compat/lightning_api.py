@@ -35,6 +35,7 @@ __all__ = [
     "dataloader_with_batch_sampler",
     "index_batch_sampler",
     "install_step_flag_broadcast",
+    "is_run_stage_barrier",
     "raise_sigterm_exception",
     "remove_step_flag_broadcast",
     "slurm_requeue_signal",
@@ -44,6 +45,7 @@ __all__ = [
     "launch_process_observer",
     "loop_dataloaders",
     "layer_sync",
+    "load_pending_train_loader_state",
     "load_checkpoint_kwargs",
     "logged_keys",
     "process_group_backend",
@@ -211,6 +213,25 @@ def train_combined_loader(trainer: Any) -> Any:
     return trainer.fit_loop._combined_loader
 
 
+def load_pending_train_loader_state(trainer: Any) -> bool:
+    """Apply the checkpoint's training-loader state if Lightning set the loader up before loading it.
+
+    ``trainer.estimated_stepping_batches`` (read in ``configure_optimizers`` by every schedule that
+    needs the total step count, e.g. OneCycleLR) makes the fit loop set up its data and create the
+    iterator before the checkpoint is restored. Lightning then never applies the checkpoint's loader
+    state (``_FitLoop._load_combined_loader_states`` runs only inside that first set-up) and a
+    mid-epoch resume replays the epoch from its first batch. Returns whether it applied a state
+    (the training iterator is created anew).
+    """
+    loop = trainer.fit_loop
+    if not loop.restarting or not loop._combined_loader_states_to_load or loop._combined_loader is None:
+        return False
+    loop._load_combined_loader_states()
+    if loop._data_fetcher is not None:
+        iter(loop._data_fetcher)  # the resumed iterator, from the loaded position
+    return True
+
+
 def logged_keys(trainer: Any) -> list[str]:
     """The keys logged with ``self.log`` in the running epoch (Lightning's result collection)."""
     results = trainer._results
@@ -225,6 +246,12 @@ def slurm_requeue_signal(trainer: Any) -> int | None:
     if not isinstance(env, SLURMEnvironment) or not env.auto_requeue:
         return None
     return env.requeue_signal if env.requeue_signal is not None else int(signal.SIGUSR1)
+
+
+def is_run_stage_barrier(name: str | None) -> bool:
+    """Whether ``strategy.barrier(name)`` is the one ``Trainer._run_stage`` calls first, right after
+    ``Trainer._run`` registered the signal handlers (SLURM's requeue handler among them)."""
+    return name == "run-stage"
 
 
 def install_step_flag_broadcast(trainer: Any, step_boundary: Any) -> Any:
@@ -304,10 +331,15 @@ def _wrapper_keeps_indices() -> bool:
 
 
 def _step_broadcast_fits() -> bool:
+    from lightning.pytorch import Trainer
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
+    run, run_stage = inspect.getsource(Trainer._run), inspect.getsource(Trainer._run_stage)
     return (callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None))
-            and "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance))
+            and "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+            and run.index("register_signal_handlers()") < run.index("self._run_stage()")
+            and run_stage.lstrip().split("\n")[0].startswith("def _run_stage")
+            and 'self.strategy.barrier("run-stage")' in run_stage)
 
 
 def _module_has_fx_name() -> bool:
@@ -341,6 +373,11 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                lambda: hasattr(_trainer().fit_loop, "_combined_loader")),
     TouchPoint("lightning.pytorch.strategies.DDPStrategy._timeout", "torchrun restart: process group timeout",
                lambda: "_timeout" in _ddp_vars()),
+    TouchPoint("lightning.pytorch.loops._FitLoop (_combined_loader_states_to_load, _load_combined_loader_states, "
+               "_data_fetcher)", "mid-epoch resume when configure_optimizers read estimated_stepping_batches",
+               lambda: callable(getattr(_trainer().fit_loop, "_load_combined_loader_states", None))
+               and hasattr(_trainer().fit_loop, "_combined_loader_states_to_load")
+               and hasattr(_trainer().fit_loop, "_data_fetcher")),
     TouchPoint("lightning.pytorch.Trainer._results", "logged keys compared across ranks",
                lambda: hasattr(_trainer(), "_results")),
     TouchPoint("lightning.fabric.strategies.launchers.subprocess_script._launch_process_observer",
@@ -364,7 +401,8 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "lightning.fabric.utilities.data._reinstantiate_wrapped_cls, _IndexBatchSamplerWrapper._batch_sampler, "
                "_DatasetSamplerWrapper._sampler", "exact_eval: evaluation loaders re-cut with an exact batch sampler",
                _exact_eval_names_fit),
-    TouchPoint("lightning.pytorch.loops._TrainingEpochLoop._broadcast_sigterm_tensor (called by advance each step)",
+    TouchPoint("lightning.pytorch.loops._TrainingEpochLoop._broadcast_sigterm_tensor (called by advance each step); "
+               "Trainer._run registers signal handlers, then _run_stage calls strategy.barrier('run-stage')",
                "SLURM requeue checkpoint at a step every rank agrees on (lightning_sync.preemption)",
                _step_broadcast_fits),
     TouchPoint("lightning.fabric.strategies.registry._StrategyRegistry", "type of StrategyRegistry (annotations)",

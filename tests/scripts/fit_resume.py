@@ -68,6 +68,10 @@ class Model(L.LightningModule):
         return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
 
     def configure_optimizers(self):
+        # Read as OneCycleLR users do (total_steps=...): it sets the training loader up before a resume
+        # restores the checkpoint, and Lightning then never applied the loader's saved position. (Not
+        # used: the stopped runs end early with max_steps, which would change such a schedule.)
+        assert self.trainer.estimated_stepping_batches > 0
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 

@@ -71,8 +71,9 @@ class DeferredRequeue:
         the handlers it found)."""
         if self._handler is None:
             return
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(self._signum) == self._note:
-            signal.signal(self._signum, self._handler)  # type: ignore[arg-type]
+        main = threading.current_thread() is threading.main_thread()
+        if main and self._signum is not None and signal.getsignal(self._signum) == self._note:
+            signal.signal(self._signum, self._handler)
         compat.remove_step_flag_broadcast(self._loop)
         self._handler, self._loop, self.requested, self.due = None, None, False, False
 

@@ -196,11 +196,13 @@ class SyncDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         # a mid-epoch checkpoint's loader position (if Lightning set the loader up before restoring it),
         # then its RNG states, now that the iterator exists
-        self._resume.on_train_start(self.lightning_module.trainer)
+        self._resume.on_train_start(trainer)
         self._unguard_on_sigterm()
-        self._requeue.install(self.lightning_module.trainer)  # after Lightning registered its handlers
+        if trainer is not None:
+            self._requeue.install(trainer)  # after Lightning registered its handlers (if not done already)
 
     def _unguard_on_sigterm(self) -> None:
         # Lightning's SIGTERM handler (installed after strategy.setup) broadcasts from rank 0. When a

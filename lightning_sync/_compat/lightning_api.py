@@ -240,7 +240,7 @@ def logged_keys(trainer: Any) -> list[str]:
 
 def slurm_requeue_signal(trainer: Any) -> int | None:
     """The signal Lightning's SLURM auto-requeue handler listens to, or None when it has none."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 
     env = getattr(trainer.strategy, "cluster_environment", None)
     if not isinstance(env, SLURMEnvironment) or not env.auto_requeue:

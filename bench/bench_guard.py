@@ -136,24 +136,27 @@ def _fit(steps: int, repeats: int, out: Path, labels: tuple[str, ...]) -> None:
     torch.set_num_threads(1)
     data = TensorDataset(torch.randn(64 * 2 * steps, 32), torch.randn(64 * 2 * steps))
     results: dict[str, list[float]] = {label: [] for label in labels}
-    for _ in range(repeats):
-        for label in labels:
-            model = MLP()
-            trainer = L.Trainer(accelerator="cpu", devices=2,
-                                strategy=ls.SyncDDPStrategy(seed=0, guard=label == "on"),
-                                max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                                enable_model_summary=False)
-            trainer.fit(model, DataLoader(data, batch_size=64))
+    # A first fit warms the process up (it measured 10-20% slower than later ones) and is dropped;
+    # then ABBA order, so a drift within the process hits both labels alike.
+    order = [labels[0]] + [label for _ in range(repeats) for label in (*labels, *reversed(labels))]
+    for i, label in enumerate(order):
+        model = MLP()
+        trainer = L.Trainer(accelerator="cpu", devices=2,
+                            strategy=ls.SyncDDPStrategy(seed=0, guard=label == "on"),
+                            max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.fit(model, DataLoader(data, batch_size=64))
+        if i > 0:
             results[label].append(statistics.median(model.times[20:]) * 1e3)
-            if trainer.global_rank == 0:
-                (out / "fit.json").write_text(json.dumps(results))
+        if trainer.global_rank == 0:
+            (out / "fit.json").write_text(json.dumps(results))
 
 
 def _main_job(repeats: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"off": [], "on": []}
     exe = Path(sys.executable).with_name("lsync-train")
     for _ in range(repeats):
-        for label in ("off", "on"):
+        for label in ("off", "on", "on", "off"):  # ABBA: a drift of the machine hits both alike
             with tempfile.TemporaryDirectory() as tmp:
                 extra = ["+trainer.strategy.guard=false"] if label == "off" else []
                 start = time.perf_counter()
@@ -173,6 +176,7 @@ def main() -> None:
     parser.add_argument("--main", action="store_true", help="also time the main job (minutes)")
     parser.add_argument("--fit-out", type=Path)
     parser.add_argument("--labels", default="off,on")
+    parser.add_argument("--fit-only", action="store_true", help="skip the hot-path and micro parts")
     args = parser.parse_args()
     if args.fit_out is not None:
         _fit(args.steps, args.repeats, args.fit_out, tuple(args.labels.split(",")))
@@ -181,7 +185,7 @@ def main() -> None:
     from tests.distributed import run_ranks
 
     print(f"guard hot path (site lookup + fingerprint, no communication): {_hot_path():.1f} us per collective")
-    for world in map(int, args.worlds.split(",")):
+    for world in ([] if args.fit_only else map(int, args.worlds.split(","))):
         micro = run_ranks(_micro, world, args=(args.micro_n, _port()), timeout=900, init=False)
         off = statistics.median(m["off"] for m in micro)
         on = statistics.median(m["on"] for m in micro)

@@ -24,6 +24,7 @@ import signal
 import threading
 from typing import Any, Callable
 
+import lightning as L
 import torch
 
 from lightning_sync._compat import lightning_api as compat
@@ -32,8 +33,11 @@ from lightning_sync.errors import LightningSyncError
 __all__ = ["DeferredRequeue"]
 
 
-class DeferredRequeue:
-    """Runs Lightning's SLURM requeue handler at the next step boundary, on every rank at once."""
+class DeferredRequeue(L.Callback):
+    """Runs Lightning's SLURM requeue handler at the next step boundary, on every rank at once.
+
+    ``SyncDDPStrategy`` owns one, adds it to the trainer's callbacks and installs it once Lightning
+    registered its signal handlers."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -43,15 +47,12 @@ class DeferredRequeue:
         self._handler: Callable[[int, Any], Any] | None = None
         self._loop: Any = None
 
-    @property
-    def installed(self) -> bool:
-        return self._handler is not None
-
     def install(self, trainer: Any) -> bool:
-        """Take over the requeue signal from Lightning's handler (call after Lightning registered it,
-        e.g. in ``on_train_start``). Returns whether it did: only under SLURM with auto-requeue, with
-        more than one rank, from the main thread."""
-        if self._handler is not None or trainer.world_size < 2:
+        """Take over the requeue signal from Lightning's handler (call after Lightning registered it).
+        Returns whether it did: only in ``fit`` (validate, test and predict have no training steps to
+        wait for and keep Lightning's handler), under SLURM with auto-requeue, with more than one
+        rank, from the main thread."""
+        if self._handler is not None or trainer.world_size < 2 or not trainer.training:
             return False
         if threading.current_thread() is not threading.main_thread():
             return False
@@ -96,7 +97,7 @@ class DeferredRequeue:
         if sigterm:
             compat.raise_sigterm_exception()
 
-    def on_train_batch_end(self) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Run Lightning's handler where every rank agreed to: every rank saves, rank 0 requeues."""
         if self.due and self._handler is not None:
             self.due = False

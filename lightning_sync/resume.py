@@ -549,7 +549,7 @@ def auto_resume_directories(resume: str) -> Any:
         dirs = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
         # Lightning's own SLURM preemption checkpoints (SIGUSR1 -> hpc_ckpt_N.ckpt in default_root_dir)
         hpc = sorted(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))
-        if not dirs and not hpc and _launched_rank() == 0:  # the same on every rank: said once
+        if not dirs and not hpc and _global_rank() == 0:  # the same on every rank: said once
             log.warning("lightning_sync: resume='auto' has nowhere to look: no ModelCheckpoint(dirpath=...). A "
                         "restarted run starts fresh; set dirpath, or pass resume=<directory>.")
         return dirs + hpc
@@ -557,14 +557,11 @@ def auto_resume_directories(resume: str) -> Any:
     return directories
 
 
-def _launched_rank() -> int:
+def _global_rank() -> int:
     """The global rank the launcher announced (before the process group exists); 0 if none did."""
-    import os
+    from lightning_sync.config import global_rank  # imports Hydra: only when resume="auto" is used
 
-    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
+    return global_rank()
 
 
 # ------------------------------------------------------------------------------- elastic restarts

@@ -152,6 +152,8 @@ class SyncDDPStrategy(DDPStrategy):
 
         if not any(isinstance(cb, ResumeEpochLength) for cb in trainer.callbacks):
             trainer.callbacks.append(ResumeEpochLength())
+        if self._requeue not in trainer.callbacks:  # saves SLURM's requeue checkpoint at an agreed step end
+            trainer.callbacks.append(self._requeue)
 
     @override
     def configure_ddp(self) -> None:
@@ -201,8 +203,6 @@ class SyncDDPStrategy(DDPStrategy):
         # then its RNG states, now that the iterator exists
         self._resume.on_train_start(trainer)
         self._unguard_on_sigterm()
-        if trainer is not None:
-            self._requeue.install(trainer)  # after Lightning registered its handlers (if not done already)
 
     def _unguard_on_sigterm(self) -> None:
         # Lightning's SIGTERM handler (installed after strategy.setup) broadcasts from rank 0. When a
@@ -326,8 +326,8 @@ class SyncDDPStrategy(DDPStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         if _compat.is_run_stage_barrier(name) and self.lightning_module is not None:
-            # Lightning registered its signal handlers just before: SLURM's requeue signal waits for a
-            # training step boundary from here on, through the sanity check and validation too
+            # Lightning registered its signal handlers just before: in fit, SLURM's requeue signal waits
+            # for a training step boundary from here on, through the sanity check and validation too
             self._requeue.install(self.lightning_module.trainer)
         super().barrier(name)
 

@@ -3,6 +3,7 @@
     proc = launch_script(SCRIPT, out_dir, "--phase", "fit")     # Lightning's launcher starts the ranks
     reports = read_reports(out_dir, "fit", world=2)             # what each rank wrote: <phase>.rank<N>.json
     module = load_script(SCRIPT)                                # its helpers, imported without running it
+    port = free_port()                                          # a free loopback port, for MASTER_PORT
 
 The script runs under ``timeout -k 5`` (the launcher and the ranks it started are killed together),
 and a failed run shows the tail of both output streams.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +38,13 @@ def launch_script(script: Path, out: Path, *args: str, timeout: int = 300,
     if check:
         assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for MASTER_PORT and --master_port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def read_reports(out: Path, phase: str, world: int) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ import pytest
 
 from lightning_sync import doctor
 from lightning_sync.doctor import Launch, Report, check_rank, detect_launch, diagnose, slurm_root_node
+from tests.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -140,12 +141,6 @@ def test_report_round_trips_through_json() -> None:
 # real runs (subprocesses, each with a hard timeout)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _run(argv: list[str], timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
     if "MASTER_PORT" not in env:
@@ -171,7 +166,7 @@ def test_plain_two_processes_via_console_script() -> None:
 @pytest.mark.slow
 def test_torchrun_loopback() -> None:
     # --standalone is covered by test_recipes.py::test_torchrun_single_node
-    out = _run([str(VENV_BIN / "torchrun"), "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+    out = _run([str(VENV_BIN / "torchrun"), "--master_addr=127.0.0.1", f"--master_port={free_port()}",
                 "--nproc_per_node=2", "-m", "lightning_sync.doctor", "--devices", "2", "--timeout", "30"])
     assert out.returncode == 0, out.stdout
     assert "launcher torchrun, 2 rank(s) on 1 node(s)" in out.stdout and "OK: 2 rank(s)" in out.stdout
@@ -179,7 +174,7 @@ def test_torchrun_loopback() -> None:
 
 @pytest.mark.slow
 def test_world_size_mismatch_under_torchrun() -> None:
-    out = _run([str(VENV_BIN / "torchrun"), "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+    out = _run([str(VENV_BIN / "torchrun"), "--master_addr=127.0.0.1", f"--master_port={free_port()}",
                 "--nproc_per_node=2", "-m", "lightning_sync.doctor", "--devices", "3", "--timeout", "30"])
     assert out.returncode != 0, out.stdout
     assert "world size mismatch: the torchrun launch has WORLD_SIZE=2" in out.stdout

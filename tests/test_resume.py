@@ -21,6 +21,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_sync.errors import ResumeError
 from lightning_sync.resume import ResumableDistributedSampler, find_resume_checkpoint
+from tests.launch import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_resume.py"
 N = 50  # fit_resume.py's data set size
@@ -231,14 +232,6 @@ def test_resume_with_other_data_stops_before_training(tmp_path: Path, stopped_2r
     assert {p.name: p.read_bytes() for p in ckpt.parent.glob("*.ckpt")} == before, "a checkpoint changed"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("step", [9, 6])  # 6: rank 0's signal in epoch 0's last step, the save in epoch 1's first
@@ -260,7 +253,7 @@ def test_slurm_requeue_signal_checkpoints_at_an_agreed_step_and_resumes_exactly(
     env |= {"PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", "PYTHONPATH": str(Path(__file__).parents[1]),
             "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_JOB_NUM_NODES": "1",
             "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "preempt", "SLURM_NODELIST": "localhost",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     procs = [subprocess.Popen(["timeout", "-k", "5", "400", sys.executable, str(SCRIPT), "--out", str(out),
                                "--plan", plan], env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]

@@ -93,13 +93,19 @@ def _restore_rng_state(state: dict[str, Any]) -> None:
 class WorkerSeeder:
     """``worker_init_fn`` that seeds a data-loader worker from ``(root, rank, worker id, base)``.
 
-    Picklable, so it works with ``spawn``/``forkserver`` worker start methods. A user's own
-    ``worker_init_fn`` is never replaced.
+    ``root`` is a seed, or a :class:`SeedLineage` whose root is read when the worker starts: a resumed
+    run adopts the checkpoint's root after Lightning has set up its loaders, and workers started
+    after that (each epoch's, without ``persistent_workers``) must use it. Picklable, so it works with
+    ``spawn``/``forkserver`` worker start methods. A user's own ``worker_init_fn`` is never replaced.
     """
 
-    def __init__(self, root: int, rank: int) -> None:
-        self.root = root
+    def __init__(self, root: int | SeedLineage, rank: int) -> None:
+        self._root = root
         self.rank = rank
+
+    @property
+    def root(self) -> int:
+        return self._root.root if isinstance(self._root, SeedLineage) else self._root
 
     def __call__(self, worker_id: int) -> None:
         # torch gives worker i the seed base + i, with base drawn per epoch from the rank's stream.

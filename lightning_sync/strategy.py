@@ -240,7 +240,7 @@ class SyncDDPStrategy(DDPStrategy):
             dataloader = exact_eval_dataloader(dataloader, self.global_rank, self.world_size,
                                                predicting=trainer.predicting, monitor=self._exact_eval)
         if self._lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
-            dataloader.worker_init_fn = WorkerSeeder(self._lineage.root, self.global_rank)  # type: ignore[attr-defined]
+            dataloader.worker_init_fn = WorkerSeeder(self._lineage, self.global_rank)  # type: ignore[attr-defined]
         trainer = self._attached_trainer()
         if trainer is not None and trainer.training:  # the training loader resumes mid-epoch (resume.py)
             dataloader = make_resumable(dataloader)

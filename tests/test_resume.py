@@ -147,9 +147,9 @@ def _weights_equal(a: Path, b: Path, world: int) -> bool:
 @pytest.mark.timeout(900)
 def test_mid_epoch_resume_is_exact_with_and_without_workers(tmp_path: Path) -> None:
     """2 ranks, 3 epochs of 7 steps; stopped at step 10 (epoch 1, step 3), resumed from that checkpoint."""
-    plan = ",".join(f"full:3@{t},stop:3:10:5@{t}stop,resume:3:{t}stop@{t}resume" for t in ("w0", "w2p"))
+    plan = ",".join(f"full:3@{t},stop:3:10:5@{t}stop,resume:3:{t}stop@{t}resume" for t in ("w0", "w2", "w2p"))
     _launch(tmp_path, plan)
-    for tag in ("w0", "w2p"):
+    for tag in ("w0", "w2", "w2p"):
         full, stop, resumed = (_steps(tmp_path / f"{tag}{s}", 2) for s in ("", "stop", "resume"))
         for r in range(2):
             assert stop[r] == full[r][:10]

@@ -87,7 +87,7 @@ class SeedBroadcast(pl.Callback):
             return
         for loader in _dataloaders(list(iterables)):
             if getattr(loader, "worker_init_fn", "absent") is None:
-                loader.worker_init_fn = WorkerSeeder(self.lineage.root, trainer.global_rank)
+                loader.worker_init_fn = WorkerSeeder(self.lineage, trainer.global_rank)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the model is set up and wrapped and the checkpoint's callback states are loaded,

@@ -88,6 +88,9 @@ class Report(L.Callback):
                                                             "global_step": trainer.global_step,
                                                             "requeue_checkpoints": getattr(requeue, "handled", 0)}))
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, self.out / f"rank{r}.pt")
+        # rank 0 is the launching process: it must not exit (and the test read the reports) while
+        # another rank is still writing its own
+        trainer.strategy.barrier("reports-written")
 
 
 def run(out: Path, kind: str, args: list[str], tag: str, opts: argparse.Namespace) -> None:

@@ -44,17 +44,12 @@ UPSTREAM_PRIVATE = [
     "_BatchNorm", "_ddp_params_and_buffers_to_ignore", "_world", "_lightning_module",
 ]
 GENERIC = [r"from (lightning|torch|pytorch_lightning)[\w.]* import [^#\n]*\b_[A-Za-z]",
-           r"\b(lightning|torch)(\.[a-z]\w*)*\._[a-z]\w*"]
+           r"\b(lightning|torch)(\.[a-z]\w*)*\._[a-z]\w*",
+           r"\b(dist|c10d|distributed_c10d)\._[a-z]\w*",  # through the usual aliases of torch.distributed
+           r"\btorch\._C\b"]
 
 # Files that must keep a private upstream name outside _compat, and why.
 ALLOWED = {
-    # The guard patches torch.distributed's collectives and reads their store and group internals by
-    # design; its rewrite into a package (issue 16) owns those names.
-    "lightning_sync/guard.py": "collective guard internals (issue 16)",
-    "lightning_sync/guard/": "collective guard internals (issue 16)",
-    # The evaluation gather records what Lightning's evaluation loop feeds each loader; the exact
-    # samplers work (issue 11) replaces those touch points.
-    "lightning_sync/callbacks/gather.py": "ValidationGather's loop internals (issue 11)",
     # Overrides of private hooks the subclass must define by name (checked in _compat's TOUCH_POINTS):
     "lightning_sync/strategy.py:_configure_launcher": "DDPStrategy's launcher hook",
     "lightning_sync/launcher.py:_call_children_scripts": "the launcher base class's hook",

@@ -9,7 +9,8 @@ Everywhere else the package uses public names only (``tests/test_compat.py`` gre
 
 Public equivalents used instead of private names: ``lightning.pytorch.strategies.StrategyRegistry``
 (registry), ``Strategy.distributed_sampler_kwargs`` (the sampler seed, instead of ``PL_GLOBAL_SEED``),
-``Strategy.process_dataloader`` (worker seeding), ``Strategy.lightning_module``,
+``Strategy.process_dataloader`` (worker seeding), ``torch.distributed.group.WORLD`` (instead of
+``_get_default_group()``), ``Strategy.lightning_module``,
 ``trainer.train_dataloader`` (processed training loaders, instead of the fit loop's
 ``_combined_loader``), ``str | pathlib.Path`` (instead of ``_PATH``).
 """

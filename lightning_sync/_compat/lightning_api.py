@@ -348,6 +348,15 @@ def _module_has_fx_name() -> bool:
     return "_current_fx_name" in vars(LightningModule())
 
 
+def _result_metric_file_fits() -> bool:
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+
+    from lightning_sync._compat.torch_api import LIGHTNING_RESULT_FILE
+
+    compute = getattr(result._ResultMetric, "compute", None)
+    return callable(compute) and compute.__code__.co_filename.endswith(LIGHTNING_RESULT_FILE)
+
+
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("lightning.pytorch.strategies.DDPStrategy._get_process_group_backend",
                "NCCL flight recorder configured before the process group exists",
@@ -405,6 +414,8 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "Trainer._run registers signal handlers, then _run_stage calls strategy.barrier('run-stage')",
                "SLURM requeue checkpoint at a step every rank agrees on (lightning_sync.preemption)",
                _step_broadcast_fits),
+    TouchPoint("lightning.pytorch.trainer.connectors.logger_connector.result._ResultMetric.compute (its file name)",
+               "the collective guard names the logged metric Lightning is syncing", _result_metric_file_fits),
     TouchPoint("lightning.fabric.strategies.registry._StrategyRegistry", "type of StrategyRegistry (annotations)",
                lambda: callable(getattr(StrategyRegistry, "register", None))
                and {"name", "strategy", "description", "override"} <= _params(StrategyRegistry.register)),

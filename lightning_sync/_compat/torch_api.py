@@ -11,7 +11,8 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
 from lightning_sync._compat import TouchPoint
 
-__all__ = ["DDP_IGNORE_ATTR", "TOUCH_POINTS", "BatchNormBase", "TorchSyncBatchNormFunction", "all_gather_single", "ddp_ignored_names", "default_store",
+__all__ = ["DDP_IGNORE_ATTR", "LIGHTNING_RESULT_FILE", "TOUCH_POINTS", "BatchNormBase", "TorchSyncBatchNormFunction",
+           "all_gather_single", "ddp_ignored_names", "default_store", "flight_recorder_dump", "rank_not_in_group",
            "raise_group_count"]
 
 #: torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name is deprecated);
@@ -50,6 +51,28 @@ def default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
+def rank_not_in_group(group: Any) -> bool:
+    """Whether this process is outside ``group`` (collectives on it return at once, doing nothing)."""
+    return bool(dist.distributed_c10d._rank_not_in_group(group))
+
+
+def flight_recorder_dump() -> bytes | None:
+    """torch's flight-recorder trace (a pickle), or None where this build has none.
+
+    Private and absent from some builds; only called when the user turned the recorder on
+    (``TORCH_FR_BUFFER_SIZE``), for the guard's hang report.
+    """
+    c10d: Any = getattr(torch._C, "_distributed_c10d", None)
+    dump = getattr(c10d, "_dump_fr_trace", None)
+    return dump(False, True, False) if dump is not None else None
+
+
+#: The file of Lightning's logged-metric results (``_ResultMetric.compute`` syncs a metric there):
+#: the guard names the metric when it sees that frame. A file name, not an import: the guard never
+#: imports Lightning. Checked in ``lightning_api.TOUCH_POINTS``.
+LIGHTNING_RESULT_FILE = "result.py"
+
+
 def _group_count_exists() -> bool:
     from torch.distributed import distributed_c10d as c10d
 
@@ -74,6 +97,13 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("torch.distributed.distributed_c10d._get_default_store",
                "PredictionWriter: ranks wait for rank 0's merge on the store, not in a collective",
                lambda: callable(getattr(dist.distributed_c10d, "_get_default_store", None))),
+    TouchPoint("torch.distributed.distributed_c10d._rank_not_in_group",
+               "the collective guard skips collectives on groups this rank is not in",
+               lambda: rank_not_in_group(None) in (True, False)),
+    TouchPoint("torch._C._distributed_c10d._dump_fr_trace (optional: absent from some builds)",
+               "the guard's hang report quotes torch's flight recorder when it is on",
+               lambda: callable(getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_fr_trace", None))
+               or not hasattr(torch._C, "_distributed_c10d")),
     TouchPoint("torch.distributed.distributed_c10d._world.group_count",
                "process groups of successive torchrun jobs (launcher)", _group_count_exists),
 )

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from lightning_sync._compat.torch_api import LIGHTNING_RESULT_FILE
+
 __all__ = ["CallSites", "is_trusted", "register_trusted", "trusted"]
 
 _trusted_modules: set[str] = {"lightning_sync.collectives", "lightning_sync.batchnorm",
@@ -110,7 +112,7 @@ class CallSites:
                         filename = str(frame.f_globals.get("__file__") or filename)
                     site = self._text[key] = f"{os.path.basename(filename)}:{frame.f_lineno} {code.co_name}"
                 break
-            if metric is None and code.co_name == "compute" and code.co_filename.endswith("result.py"):
+            if metric is None and code.co_name == "compute" and code.co_filename.endswith(LIGHTNING_RESULT_FILE):
                 # Lightning syncing a logged metric: its name tells two epoch-end reductions apart
                 meta = getattr(frame.f_locals.get("self"), "meta", None)
                 metric = getattr(meta, "name", None)

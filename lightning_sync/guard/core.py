@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sync import collectives
+from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, default_store, flight_recorder_dump, rank_not_in_group
 from lightning_sync.errors import LightningSyncError
 from lightning_sync.guard import report
 from lightning_sync.guard.callsite import CallSites
@@ -326,7 +327,7 @@ class CollectiveGuard:
         if group is None or group is dist.GroupMember.WORLD:
             self._stream = "w"
         else:
-            if dist.distributed_c10d._rank_not_in_group(group):
+            if rank_not_in_group(group):
                 return None
             self._stream = stream_key(dist.get_process_group_ranks(group))
         self.checks += 1
@@ -410,7 +411,7 @@ class CollectiveGuard:
             raise LightningSyncError(
                 f"rank {self._rank} at {site}: dist.all_reduce of {what[0]}, which DistributedDataParallel "
                 f"manages: {what[1]}. Remove the all_reduce (DDP does the synchronisation), or, if the tensor is "
-                "meant to be synchronised by hand, exclude it from DDP (_ddp_params_and_buffers_to_ignore).")
+                f"meant to be synchronised by hand, exclude it from DDP ({DDP_IGNORE_ATTR}).")
 
     # ------------------------------------------------------------------ output
 
@@ -441,8 +442,8 @@ def _flight_recorder_tail(n: int = 4) -> list[str]:
     if not (os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")):
         return []
     try:
-        c10d: Any = torch._C._distributed_c10d  # private, and absent from some builds: best effort
-        entries = pickle.loads(c10d._dump_fr_trace(False, True, False)).get("entries", [])
+        dump = flight_recorder_dump()
+        entries = pickle.loads(dump).get("entries", []) if dump is not None else []
     except Exception:  # noqa: BLE001 - a diagnostic extra must never fail the report
         return []
     return [f"seq {e.get('collective_seq_id')} {e.get('profiling_name')} in {e.get('input_sizes')} "
@@ -452,7 +453,7 @@ def _flight_recorder_tail(n: int = 4) -> list[str]:
 def _side_store(prefix: str, timeout: float) -> Any:
     # torch.distributed exports the store classes without declaring them (mypy): go through Any
     c10d: Any = dist
-    base = dist.distributed_c10d._get_default_store()
+    base = default_store()
     inner = base
     while isinstance(inner, c10d.PrefixStore):
         inner = inner.underlying_store

@@ -185,7 +185,7 @@ class Interceptor:
                 failure = guard._failure()
                 if failure is not None:
                     group = _arg(args, kwargs, (_GROUP_AT.get(name, 99), "group"))
-                    abandon(work, group if group is not None else dist.distributed_c10d._get_default_group())
+                    abandon(work, group if group is not None else dist.group.WORLD)
                     raise failure
         finally:
             if previous is None:

@@ -144,7 +144,7 @@ class SyncDDPStrategy(DDPStrategy):
         self._pending_checkpoint_state = None
         self._lineage.seed_rank_streams(self.global_rank)
         if self._guard is not None:
-            from lightning_sync.callbacks.consistency import GuardChecks
+            from lightning_sync.strategy_checks import GuardChecks
 
             if not any(isinstance(cb, GuardChecks) for cb in trainer.callbacks):
                 trainer.callbacks.append(GuardChecks(self.uneven_batches))

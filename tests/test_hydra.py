@@ -28,7 +28,7 @@ TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml") if not p.stem.startswith("_"))  # _base: shared parts
 
 
 def lsync_train(*args: str, cwd: Path, timeout: int = 240, env: dict[str, str] | None = None,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,6 +85,56 @@ def test_multi_node_without_launcher_needs_master() -> None:
     launch = detect_launch({"LOCAL_RANK": "0", "NODE_RANK": "1"}, devices=2, num_nodes=2)
     assert launch.launcher == "lightning" and launch.rank == 2
     assert launch.problems[0].blocking and "MASTER_ADDR=(unset)" in launch.problems[0].text
+
+
+# The doctor imports no Lightning (it starts in about a second), so it reads the launcher's variables
+# itself; Lightning's cluster environments are the judge of what it must find.
+_LAUNCH_ENVS = {
+    "torchrun": {"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                 "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"},
+    "torchrun inside slurm": {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                              "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": "29511", **_slurm_env(SLURM_NTASKS="1")},
+    "slurm batch": _slurm_env(SLURM_NTASKS_PER_NODE="2"),
+    "slurm, nodes as a list": _slurm_env(SLURM_NTASKS_PER_NODE="2", SLURM_NODELIST="gpu[12,15]", SLURM_JOB_ID="77"),
+    "slurm, MASTER_PORT set": _slurm_env(SLURM_NTASKS_PER_NODE="2", MASTER_PORT="23456", MASTER_ADDR="10.200.0.1"),
+    "slurm interactive (bash)": _slurm_env(SLURM_JOB_NAME="bash", LOCAL_RANK="1", NODE_RANK="0",
+                                           MASTER_ADDR="127.0.0.1", MASTER_PORT="29512"),
+    "lightning's own launcher": {"LOCAL_RANK": "1", "NODE_RANK": "1", "MASTER_ADDR": "10.200.0.1",
+                                 "MASTER_PORT": "29513"},
+}
+
+
+@pytest.mark.parametrize("name", list(_LAUNCH_ENVS))
+def test_detection_agrees_with_lightnings_cluster_environments(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.fabric.plugins.environments import (LightningEnvironment, SLURMEnvironment,
+                                                       TorchElasticEnvironment)
+
+    env = _LAUNCH_ENVS[name]
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_")) or k in (
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+            "MASTER_PORT")]:
+        monkeypatch.delenv(key)
+    for key in ("MASTER_ADDR", "MASTER_PORT"):  # SLURMEnvironment writes them: restored after the test
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    launch = detect_launch(dict(env), devices=2, num_nodes=2)
+    if TorchElasticEnvironment.detect():
+        cluster: Any = TorchElasticEnvironment()
+        assert launch.launcher == "torchrun"
+        assert (launch.rank, launch.world_size) == (cluster.global_rank(), cluster.world_size())
+    elif SLURMEnvironment.detect():
+        cluster = SLURMEnvironment()
+        assert launch.launcher == "slurm"
+        assert (launch.rank, launch.world_size) == (cluster.global_rank(), cluster.world_size())
+    else:
+        cluster = LightningEnvironment()  # world size and global rank come from the Trainer's devices x nodes
+        assert launch.launcher == "lightning"
+        assert launch.rank == cluster.node_rank() * 2 + cluster.local_rank()
+    assert (launch.local_rank, launch.node_rank) == (cluster.local_rank(), cluster.node_rank())
+    assert (launch.master_addr, launch.master_port) == (cluster.main_address, cluster.main_port)
 
 
 @pytest.mark.parametrize(("nodes", "root"), [("n[0-1]", "n0"), ("gpu[12,15]", "gpu12"), ("a,b", "a"),

@@ -633,8 +633,10 @@ def init_process_group_after_restart(backend: str, timeout: Any, device_id: Any 
     wait = timeout if isinstance(timeout, timedelta) else timedelta(minutes=30)
     client = c10d.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=wait)
     store = c10d.PrefixStore(f"lightning_sync/attempt_{attempt}", client)
-    kwargs: dict[str, Any] = {"device_id": device_id} if device_id is not None else {}
+    from lightning_sync._compat.torch_api import init_process_group_kwargs
+
     dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=wait, **kwargs)
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=wait,
+                            **init_process_group_kwargs(device_id))
     log.warning("lightning_sync: torchrun restart %s: process group joined under a fresh store prefix.", attempt)
     return True

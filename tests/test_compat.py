@@ -124,3 +124,19 @@ def test_import_graph_has_no_cycle() -> None:
 
     cycles = [c for c in map(cycle_from, sorted(graph)) if c]
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_device_id_is_passed_only_where_torch_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from lightning_sync._compat.torch_api import init_process_group_kwargs
+
+    assert init_process_group_kwargs("cuda:0") == {"device_id": "cuda:0"}  # torch 2.3 on
+    assert init_process_group_kwargs(None) == {}
+
+    def before_2_3(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,  # type: ignore[no-untyped-def]
+                   group_name="", pg_options=None):
+        pass
+
+    monkeypatch.setattr(dist, "init_process_group", before_2_3)
+    assert init_process_group_kwargs("cuda:0") == {}

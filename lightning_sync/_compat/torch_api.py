@@ -12,7 +12,8 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from lightning_sync._compat import TouchPoint
 
 __all__ = ["DDP_IGNORE_ATTR", "LIGHTNING_RESULT_FILE", "TOUCH_POINTS", "BatchNormBase", "TorchSyncBatchNormFunction",
-           "all_gather_single", "ddp_ignored_names", "default_store", "flight_recorder_dump", "rank_not_in_group",
+           "all_gather_single", "ddp_ignored_names", "default_store", "flight_recorder_dump", "init_process_group_kwargs",
+           "rank_not_in_group",
            "raise_group_count"]
 
 #: torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name is deprecated);
@@ -63,8 +64,18 @@ def flight_recorder_dump() -> bytes | None:
     (``TORCH_FR_BUFFER_SIZE``), for the guard's hang report.
     """
     c10d: Any = getattr(torch._C, "_distributed_c10d", None)
-    dump = getattr(c10d, "_dump_fr_trace", None)
+    # _dump_fr_trace since the recorder became backend-neutral (2025); _dump_nccl_trace from torch 2.2
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
     return dump(False, True, False) if dump is not None else None
+
+
+def init_process_group_kwargs(device_id: Any) -> dict[str, Any]:
+    """``device_id=`` for ``init_process_group`` where torch takes it (torch 2.3 on; Lightning does the same)."""
+    import inspect
+
+    if device_id is None or "device_id" not in inspect.signature(dist.init_process_group).parameters:
+        return {}
+    return {"device_id": device_id}
 
 
 #: The file of Lightning's logged-metric results (``_ResultMetric.compute`` syncs a metric there):
@@ -100,9 +111,10 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("torch.distributed.distributed_c10d._rank_not_in_group",
                "the collective guard skips collectives on groups this rank is not in",
                lambda: rank_not_in_group(None) in (True, False)),
-    TouchPoint("torch._C._distributed_c10d._dump_fr_trace (optional: absent from some builds)",
+    TouchPoint("torch._C._distributed_c10d._dump_fr_trace or _dump_nccl_trace (optional: absent from some builds)",
                "the guard's hang report quotes torch's flight recorder when it is on",
-               lambda: callable(getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_fr_trace", None))
+               lambda: any(callable(getattr(getattr(torch._C, "_distributed_c10d", None), name, None))
+                           for name in ("_dump_fr_trace", "_dump_nccl_trace"))
                or not hasattr(torch._C, "_distributed_c10d")),
     TouchPoint("torch.distributed.distributed_c10d._world.group_count",
                "process groups of successive torchrun jobs (launcher)", _group_count_exists),

@@ -9,9 +9,9 @@ batches, and exactly the random numbers, of the uninterrupted run:
   epoch over another number of ranks;
 * the **data-loader iterator**, worker processes included: torchdata's ``StatefulDataLoader`` (which
   Lightning saves and restores by itself) keeps the base seed of the workers, which worker yields
-  next and a snapshot every ``SNAPSHOT_EVERY`` batches. ``ResumableDataLoader`` makes every
-  **worker's random stream** part of those snapshots: each worker re-seeds its generators per batch
-  from its seed and a batch count, and the two integers are its state;
+  next and a snapshot every ``SNAPSHOT_EVERY`` batches. ``ResumableDataLoader`` adds the **RNG
+  state of every worker** to those snapshots (a worker's random augmentation continues where it
+  stopped);
 * **every rank's** loader state: Lightning writes rank 0's only, so ``SyncDDPStrategy.save_checkpoint``
   gathers all of them into ``checkpoint["lightning_sync"]["loader_states"]`` and
   :func:`select_loader_state` hands each rank its own on load;
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import random
 import warnings
 from pathlib import Path
@@ -35,7 +36,6 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from lightning_sync.errors import ResumeError
-from lightning_sync.seeding import derive_seed
 
 __all__ = [
     "ResumableDistributedSampler",
@@ -48,10 +48,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STATE_KEY = "lightning_sync"  # inside each loader state: our metadata beside torchdata's
-# With workers, torchdata snapshots the main process's and every worker's state every N batches
-# and, on resume, fetches the batches since the last snapshot again (workers re-seed per batch, so
-# they come out the same). A snapshot per batch cost ~8% of a small step with 2 workers on 2 cores
-# (bench_resume.py); one per 16 costs nothing measurable and at most 15 batches to fetch on resume.
+# With workers, torchdata snapshots the main process's and every worker's state (its RNG state
+# included, ~0.1 ms) every N batches and, on resume, fetches the batches since the last snapshot
+# again (with the restored RNG states they come out the same). A snapshot per batch cost 1.3-1.5x
+# per step with 2 workers on 2 cores (bench_resume.py); one per 16 costs nothing measurable and
+# at most 15 batches to fetch again on resume.
 SNAPSHOT_EVERY = 16
 SAMPLER_NAME = "ResumableDistributedSampler"
 
@@ -86,8 +87,23 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
                          drop_last=drop_last)
         self.dataset_len = len(dataset)  # type: ignore[arg-type]
         self.start = 0  # global position where the current segment of this epoch begins
-        self.yielded = 0  # samples of the current segment this rank has handed out
         self._skip: int | None = None  # set by load_state_dict: samples to skip at the next __iter__
+        # The running epoch's iterator is a plain list iterator (no Python frame per index): how far it
+        # got is its length minus what is left in it.
+        self._iterator: Iterator[int] | None = None
+        self._iterator_start = self._iterator_len = 0
+        self.yielded = 0
+
+    @property
+    def yielded(self) -> int:
+        """Samples of the current segment this rank has handed out."""
+        if self._iterator is None:
+            return self._iterator_start
+        return self._iterator_start + self._iterator_len - operator.length_hint(self._iterator)
+
+    @yielded.setter
+    def yielded(self, value: int) -> None:
+        self._iterator, self._iterator_start, self._iterator_len = None, value, 0
 
     def _segment_len(self) -> int:
         remaining = max(0, self.dataset_len - self.start)
@@ -123,11 +139,9 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[int]:
         skip = self._skip or 0
         self._skip = None
-        indices = self.shard()
-        self.yielded = skip
-        for index in indices[skip:]:
-            self.yielded += 1
-            yield index
+        rest = self.shard()[skip:]
+        self._iterator, self._iterator_start, self._iterator_len = iter(rest), skip, len(rest)
+        return self._iterator
 
     @property
     def consumed(self) -> int:
@@ -173,33 +187,18 @@ def check_sampler_state(state: dict[str, Any], dataset_len: int, shuffle: bool) 
 
 
 class _WorkerRNGDataset(Dataset[Any]):
-    """Wraps a map-style data set; in a worker process it re-seeds the worker's RNGs before each batch.
+    """Wraps a map-style data set; in a worker process its state is the worker's RNG state.
 
-    Batch ``n`` of a worker draws its random augmentation (``__getitem__`` and ``collate_fn``) from
-    ``derive_seed(worker_seed, "batch", n)``, where ``worker_seed`` is the worker's torch seed after
-    ``worker_init_fn``. The wrapper's state, which torchdata snapshots inside the worker after every
-    batch and restores after ``worker_init_fn`` on resume, is therefore two integers, and a resumed
-    worker continues with exactly the random numbers of the uninterrupted run. (Snapshotting the
-    generators themselves cost ~0.8 ms a step with 2 workers on 2 cores: docs/resume.md.) Attribute
-    access falls through to the wrapped data set.
+    torchdata snapshots a data set's ``state_dict`` inside each worker at its last batch before every
+    ``SNAPSHOT_EVERY``-th step and restores it after ``worker_init_fn`` on resume (then fetches the
+    batches since the snapshot again), so random augmentation drawn in ``__getitem__`` or
+    ``collate_fn`` continues exactly. The state is plain bytes and lists, not tensors: tensors would
+    travel through shared memory with every snapshot. Attribute access falls through to the wrapped
+    data set.
     """
 
     def __init__(self, dataset: Dataset[Any]) -> None:
         self.dataset = dataset
-        self._worker_seed: int | None = None  # set in the worker, on first use
-        self._batches = 0  # batches this worker has fetched
-
-    def _seed(self) -> int:
-        if self._worker_seed is None:
-            self._worker_seed = torch.initial_seed()
-        return self._worker_seed
-
-    def __getitems__(self, indices: list[Any]) -> list[Any]:
-        if torch.utils.data.get_worker_info() is not None:
-            _seed_worker_generators(derive_seed(self._seed(), "batch", self._batches))
-            self._batches += 1
-        getitems = getattr(self.dataset, "__getitems__", None)
-        return list(getitems(indices)) if getitems else [self.dataset[i] for i in indices]
 
     def __getitem__(self, index: Any) -> Any:
         return self.dataset[index]
@@ -220,28 +219,39 @@ class _WorkerRNGDataset(Dataset[Any]):
 
     def state_dict(self) -> dict[str, Any]:
         inner = self.dataset.state_dict() if hasattr(self.dataset, "state_dict") else None
-        if torch.utils.data.get_worker_info() is None:
-            return {"inner": inner}
-        return {"worker_seed": self._seed(), "batches": self._batches, "inner": inner}
+        in_worker = torch.utils.data.get_worker_info() is not None
+        return {"worker_rng": _worker_rng_state() if in_worker else None, "inner": inner}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("inner") is not None and hasattr(self.dataset, "load_state_dict"):
             self.dataset.load_state_dict(state["inner"])
-        if "worker_seed" in state and torch.utils.data.get_worker_info() is not None:
-            self._worker_seed, self._batches = int(state["worker_seed"]), int(state["batches"])
+        if state.get("worker_rng") is not None and torch.utils.data.get_worker_info() is not None:
+            _restore_worker_rng_state(state["worker_rng"])
 
 
-def _seed_worker_generators(seed: int) -> None:
-    """Seed torch's CPU generator, numpy's and ``random``'s (~12 us; ``torch.manual_seed`` would add
-    ~180 us of lazy CUDA/accelerator seeding, and workers do not use CUDA)."""
-    random.seed(seed)
-    torch.default_generator.manual_seed(seed)
+def _worker_rng_state() -> dict[str, Any]:
+    """A worker's torch (CPU), numpy and ``random`` states as bytes and lists (~5 KB, ~0.1 ms)."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state().numpy().tobytes(), "python": [version, list(internal), gauss]}
     try:
         import numpy as np
 
-        np.random.seed(seed)
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state["numpy"] = [kind, np.asarray(keys, dtype=np.uint32).tobytes(), int(pos), int(has_gauss), float(cached)]
     except ImportError:
         pass
+    return state
+
+
+def _restore_worker_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached))
 
 
 # ---------------------------------------------------------------------------------- data loader

@@ -158,6 +158,21 @@ def test_mid_epoch_resume_is_exact_with_and_without_workers(tmp_path: Path) -> N
         assert _weights_equal(tmp_path / tag, tmp_path / f"{tag}resume", 2), f"{tag}: final weights differ"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_mid_epoch_resume_after_a_worker_snapshot_is_exact(tmp_path: Path) -> None:
+    """80 samples, batch size 2: 20 steps an epoch; stopped at step 19, after torchdata's snapshot at
+    step 16 (resume.SNAPSHOT_EVERY), so the resume restores that snapshot and fetches 17-19 again."""
+    plan = ",".join(f"full:2@{t},stop:2:19:19@{t}stop,resume:2:{t}stop@{t}resume" for t in ("w2", "w2p"))
+    _launch(tmp_path, plan, "--batch-size", "2", "--n", "80", "--lr", "0.005")
+    for tag in ("w2", "w2p"):
+        full, stop, resumed = (_steps(tmp_path / f"{tag}{s}", 2) for s in ("", "stop", "resume"))
+        for r in range(2):
+            assert stop[r] == full[r][:19] and full[r][18][0] == 0  # stopped inside epoch 0
+            assert resumed[r] == full[r][19:], f"{tag} rank {r}: the resumed batches differ"
+        assert _weights_equal(tmp_path / tag, tmp_path / f"{tag}resume", 2), f"{tag}: final weights differ"
+
+
 def _epoch_samples(steps: list[list], epoch: int) -> Counter:
     return Counter(i for rank_steps in steps for e, idx, _ in rank_steps if e == epoch for i in idx)
 

@@ -54,6 +54,7 @@ class Model(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
         self.steps: list[list] = []
 
+    lr = 0.05
     kill_at = -1  # under torchrun's first attempt, rank 1 SIGKILLs itself at this global step
     usr1_at = -1  # rank r sends itself SIGUSR1 at this global step + r
 
@@ -72,7 +73,7 @@ class Model(L.LightningModule):
         # restores the checkpoint, and Lightning then never applied the loader's saved position. (Not
         # used: the stopped runs end early with max_steps, which would change such a schedule.)
         assert self.trainer.estimated_stepping_batches > 0
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
 class Report(L.Callback):
@@ -115,6 +116,7 @@ def run(out: Path, kind: str, args: list[str], tag: str, opts: argparse.Namespac
     torch.manual_seed(int(os.environ.get("LOCAL_RANK", 0)) + 77)  # ranks start apart: ddp_sync must align them
     model = Model()
     model.kill_at = opts.kill_at
+    model.lr = opts.lr
     model.usr1_at = int(args[1]) if kind == "preempt" else -1
     loader = DataLoader(Augmented(opts.n), batch_size=opts.batch_size, shuffle=True, num_workers=workers,
                         persistent_workers=persistent)
@@ -129,6 +131,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (smaller batches need a smaller one)")
     p.add_argument("--n", type=int, default=N, help="data set size")
     p.add_argument("--auto", default=None, help="SyncDDPStrategy(resume=...)")
     p.add_argument("--kill-at", type=int, default=-1)

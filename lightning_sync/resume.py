@@ -137,11 +137,15 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         return rest[:total][self.rank:total:self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
+        # A generator, so the position moves only once iteration starts: torchdata and Lightning
+        # create iterators they do not use (e.g. after load_state_dict), and those must not take
+        # the pending skip.
         skip = self._skip or 0
         self._skip = None
         rest = self.shard()[skip:]
-        self._iterator, self._iterator_start, self._iterator_len = iter(rest), skip, len(rest)
-        return self._iterator
+        iterator = iter(rest)
+        self._iterator, self._iterator_start, self._iterator_len = iterator, skip, len(rest)
+        yield from iterator  # delegated per index without a Python-level loop body
 
     @property
     def consumed(self) -> int:

@@ -229,8 +229,14 @@ class _WorkerRNGDataset(Dataset[Any]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("inner") is not None and hasattr(self.dataset, "load_state_dict"):
             self.dataset.load_state_dict(state["inner"])
-        if state.get("worker_rng") is not None and torch.utils.data.get_worker_info() is not None:
+        if torch.utils.data.get_worker_info() is None:
+            return
+        if state.get("worker_rng") is not None:
             _restore_worker_rng_state(state["worker_rng"])
+        elif state.get("rng") is not None:  # written by lightning_sync before the compact state
+            from lightning_sync.seeding import _restore_rng_state
+
+            _restore_rng_state(state["rng"])
 
 
 def _worker_rng_state() -> dict[str, Any]:
@@ -271,7 +277,7 @@ def _stateful_dataloader_class() -> type:
             inner = super().state_dict()
             return {"torchdata": inner, STATE_KEY: {
                 "batch_size": self.batch_size, "num_workers": self.num_workers, "dataset_len": len(self.dataset),
-                "sampler": _current_sampler_state(inner, self.batch_size) or self.sampler.state_dict()}}
+                "sampler": _current_sampler_state(inner, self.batch_size, self.drop_last) or self.sampler.state_dict()}}
 
         def load_state_dict(self, state: dict[str, Any]) -> None:
             meta = state.get(STATE_KEY) if isinstance(state, dict) else None
@@ -317,7 +323,8 @@ def resumable_loader_class() -> type:
     return _LOADER_CLASS
 
 
-def _current_sampler_state(torchdata_state: dict[str, Any], batch_size: int | None) -> dict[str, Any] | None:
+def _current_sampler_state(torchdata_state: dict[str, Any], batch_size: int | None,
+                           drop_last: bool = False) -> dict[str, Any] | None:
     """The sampler state as of the last yielded batch, from a StatefulDataLoader state.
 
     With workers torchdata keeps the state of its last snapshot (every ``SNAPSHOT_EVERY`` batches)
@@ -334,7 +341,10 @@ def _current_sampler_state(torchdata_state: dict[str, Any], batch_size: int | No
     since = int(torchdata_state.get("_steps_since_snapshot") or 0)
     if since and batch_size:
         state = {**state, "yielded": min(int(state["segment_len"]), int(state["yielded"]) + since * batch_size)}
-    if torchdata_state.get("_iterator_finished"):
+    complete = bool(torchdata_state.get("_iterator_finished"))
+    if drop_last and batch_size:  # the epoch ends at its last full batch (Lightning stops there)
+        complete = complete or int(state["yielded"]) >= int(state["segment_len"]) // batch_size * batch_size
+    if complete:
         state = {**state, "yielded": int(state["segment_len"])}
     return state
 

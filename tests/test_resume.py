@@ -14,13 +14,14 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
 from lightning_sync.errors import ResumeError
-from lightning_sync.resume import ResumableDistributedSampler, find_resume_checkpoint
+from lightning_sync.resume import ResumableDistributedSampler, find_resume_checkpoint, is_mid_epoch, make_resumable
 from tests.launch import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_resume.py"
@@ -99,6 +100,26 @@ def test_sampler_complete_epoch_resumes_at_next_epoch() -> None:
     t.load_state_dict(s.state_dict())
     s.set_epoch(5)
     assert t.epoch == 5 and list(t) == list(s)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_loader_state_after_the_last_batch_is_epoch_end(drop_last: bool) -> None:
+    """33 samples, batch 2: with drop_last the epoch ends after 16 batches, one sample short of the
+    sampler's end (Lightning stops there without asking the loader for more)."""
+    pytest.importorskip("torchdata")
+    from torch.utils.data import DataLoader
+
+    data = list(range(33))
+    loader: Any = make_resumable(DataLoader(data, batch_size=2, drop_last=drop_last,  # type: ignore[arg-type]
+                                            sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=3)))
+    it = iter(loader)
+    for _ in range(16 if drop_last else 17):
+        next(it)
+    state = loader.state_dict()["lightning_sync"]["sampler"]
+    assert not is_mid_epoch(state) and state["yielded"] == state["segment_len"] == 33
+    next_it = iter(loader)  # a mid-epoch state for contrast
+    next(next_it)
+    assert is_mid_epoch(loader.state_dict()["lightning_sync"]["sampler"])
 
 
 def test_sampler_rejects_other_dataset_length() -> None:

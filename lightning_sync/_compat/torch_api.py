@@ -66,7 +66,12 @@ def flight_recorder_dump() -> bytes | None:
     c10d: Any = getattr(torch._C, "_distributed_c10d", None)
     # _dump_fr_trace since the recorder became backend-neutral (2025); _dump_nccl_trace from torch 2.2
     dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
-    return dump(False, True, False) if dump is not None else None
+    if dump is None:
+        return None
+    try:
+        return dump(False, True, False)  # type: ignore[no-any-return]
+    except TypeError:  # the first versions took no arguments
+        return dump()  # type: ignore[no-any-return]
 
 
 def init_process_group_kwargs(device_id: Any) -> dict[str, Any]:

@@ -20,8 +20,9 @@ Every function here:
 
 :func:`broadcast_object` and :func:`gather_objects` pickle, so a peer's bytes can run code on the
 receiver: the ranks of a process group must trust each other (see ``docs/security.md``). With
-``safe=True`` they use torch's ``weights_only`` unpickler instead, which accepts plain data only
-(numbers, strings, lists, tuples, dicts, sets, tensors, dtypes) and refuses anything else.
+``safe=True`` they unpickle with a restricted unpickler instead, which accepts plain data only
+(numbers, strings, lists, tuples, dicts, sets, CPU tensors, dtypes) and refuses anything else.
+Plain CPU tensors travel as raw bytes in both modes (no ``torch.save`` on any rank).
 
 Only ``torch.distributed`` is imported here, never Lightning.
 """
@@ -527,36 +528,72 @@ def _gather_rows(fn: str, tensors: dict[str, Tensor], group: dist.ProcessGroup |
 # objects
 
 
-def _to_bytes(obj: Any, safe: bool) -> Tensor:
-    if safe:
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        data = buf.getvalue()
-    else:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+class _Pickler(pickle.Pickler):
+    """Pickles plain CPU tensors as raw bytes: no ``torch.save`` (a tensor's own pickling runs it for the
+    storage) on ranks that write no file, and a format the restricted unpickler can read."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is Tensor and obj.layout == torch.strided and obj.device.type in ("cpu", "cuda"):
+            flat = obj.detach().contiguous().reshape(-1).cpu()
+            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+            return ("tensor", str(obj.dtype).removeprefix("torch."), tuple(obj.shape), raw, obj.requires_grad,
+                    obj.device.type)
+        return None
+
+
+# What safe=True lets a peer's bytes name besides plain containers (every other global is refused).
+_SAFE_GLOBALS = {("builtins", n) for n in ("set", "frozenset", "complex", "bytearray", "slice", "range")} | {
+    ("collections", "OrderedDict"), ("torch", "Size")}
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: Any, safe: bool) -> None:
+        super().__init__(file)
+        self._safe = safe
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, dtype_name, shape, raw, requires_grad, device = pid
+        dtype = getattr(torch, dtype_name, None)
+        if kind != "tensor" or not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"unknown persistent id {kind!r} {dtype_name!r}")
+        if raw:
+            tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+        else:
+            tensor = torch.empty(shape, dtype=dtype)
+        if device == "cuda" and torch.cuda.is_available():  # a CUDA tensor lands on this rank's current device
+            tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        return tensor.requires_grad_(bool(requires_grad)) if requires_grad else tensor
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self._safe and (module, name) not in _SAFE_GLOBALS and not (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
+        return super().find_class(module, name)
+
+
+def _to_bytes(obj: Any) -> Tensor:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
 
 
 def _from_bytes(buf: Tensor, safe: bool) -> Any:
-    data = buf.cpu().numpy().tobytes()
-    if safe:
-        # torch's restricted unpickler: plain containers, numbers, strings, tensors; no other globals.
-        return torch.load(io.BytesIO(data), weights_only=True)
-    return pickle.loads(data)
+    # safe: plain containers, numbers, strings, CPU tensors, dtypes; no other globals, so no code runs.
+    return _Unpickler(io.BytesIO(buf.cpu().numpy().tobytes()), safe).load()
 
 
 def _pickle(fn: str, obj: Any, safe: bool) -> tuple[Tensor | None, _Problem | None]:
     try:
-        payload = _to_bytes(obj, safe)
+        payload = _to_bytes(obj)
     except Exception as err:  # noqa: BLE001 - pickling raises PicklingError, TypeError, AttributeError...
         return None, _Problem(TypeError, f"cannot pickle {_value(obj)}: {type(err).__name__}: {err}")
     if safe:  # refuse on the sender what every receiver would refuse, while every rank can still hear it
         try:
-            torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+            _from_bytes(payload, safe=True)
         except Exception as err:  # noqa: BLE001
             first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
             return None, _Problem(TypeError, f"safe=True accepts plain data only (numbers, strings, lists, tuples, "
-                                             f"dicts, tensors); got {_value(obj)}: {first}")
+                                             f"dicts, CPU tensors); got {_value(obj)}: {first}")
     return payload, None
 
 
@@ -570,7 +607,7 @@ def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = N
         obj: the object (only ``src``'s counts).
         src: the global rank whose object every rank receives.
         group: the process group; the world by default.
-        safe: unpickle with torch's ``weights_only`` unpickler: plain data only, no code can run on
+        safe: unpickle with a restricted unpickler: plain data only (no globals but dtypes), no code can run on
             the receivers. Default ``False``: plain pickle (the peers must be trusted).
 
     Returns:
@@ -613,7 +650,7 @@ def gather_objects(obj: Any, dst: int | None = None, group: dist.ProcessGroup | 
         obj: this rank's object.
         dst: ``None``: every rank receives the list; a global rank: only that rank does.
         group: the process group; the world by default.
-        safe: unpickle with torch's ``weights_only`` unpickler: plain data only, no code can run on
+        safe: unpickle with a restricted unpickler: plain data only (no globals but dtypes), no code can run on
             the receivers. Default ``False``: plain pickle (the peers must be trusted).
 
     Returns:

@@ -45,12 +45,19 @@ _NOT_REPLAYED = ("hydra.mode", "hydra.run.dir", "hydra.output_subdir", "hydra.sw
 
 
 def hydra_active() -> bool:
-    """True inside a Hydra job (``@hydra.main`` task function)."""
+    """True inside a Hydra job that ``@hydra.main`` (or a Hydra launcher) started: the only kind whose
+    command line the other ranks can replay. A config set by Hydra's compose API
+    (``HydraConfig().set_config(cfg)`` in a test or a notebook) has no job directory
+    (``hydra.runtime.output_dir`` is missing): Lightning's own launcher runs it, as under ``ddp``."""
     try:
         from hydra.core.hydra_config import HydraConfig
+        from omegaconf import OmegaConf
     except ImportError:
         return False
-    return HydraConfig.initialized()
+    if not HydraConfig.initialized():
+        return False
+    runtime = HydraConfig.get().get("runtime")
+    return runtime is not None and not OmegaConf.is_missing(runtime, "output_dir") and bool(runtime.output_dir)
 
 
 def _quote(value: str) -> str:

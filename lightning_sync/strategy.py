@@ -10,6 +10,7 @@ import gc
 import logging
 import signal
 import threading
+import time
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from lightning_sync.peers import Peer, gather_peers, lost_peer_message
 from lightning_sync.preemption import DeferredRequeue
 from lightning_sync.resume import ResumeHooks, init_process_group_after_restart, make_resumable
 from lightning_sync.seeding import CHECKPOINT_KEY, SeedLineage, WorkerSeeder
+from lightning_sync.strategy_callbacks import install_first
 
 __all__ = ["SyncDDPStrategy"]
 
@@ -143,17 +145,18 @@ class SyncDDPStrategy(DDPStrategy):
         self._lineage.load_checkpoint_state(self._pending_checkpoint_state, self.global_rank)
         self._pending_checkpoint_state = None
         self._lineage.seed_rank_streams(self.global_rank)
-        if self._guard is not None:
-            from lightning_sync.strategy_checks import GuardChecks
+        install_first(trainer, self._own_callbacks())
 
-            if not any(isinstance(cb, GuardChecks) for cb in trainer.callbacks):
-                trainer.callbacks.append(GuardChecks(self.uneven_batches))
+    def _own_callbacks(self) -> list[Any]:
+        """The strategy's callbacks, run before every other callback (``lightning_sync.strategy_callbacks``)."""
         from lightning_sync.callbacks.resume import ResumeEpochLength
+        from lightning_sync.strategy_checks import SamplerCheck, UnevenBatchCheck
 
-        if not any(isinstance(cb, ResumeEpochLength) for cb in trainer.callbacks):
-            trainer.callbacks.append(ResumeEpochLength())
-        if self._requeue not in trainer.callbacks:  # saves SLURM's requeue checkpoint at an agreed step end
-            trainer.callbacks.append(self._requeue)
+        own: list[Any] = [UnevenBatchCheck(self.uneven_batches), ResumeEpochLength()]
+        if self._guard is not None:
+            own.append(SamplerCheck())
+        own.append(self._requeue)  # saves SLURM's requeue checkpoint at an agreed step end
+        return own
 
     @override
     def configure_ddp(self) -> None:
@@ -317,10 +320,15 @@ class SyncDDPStrategy(DDPStrategy):
         if lost:  # gloo only names an address: say which rank(s) that is
             log.error("lightning_sync: %s", lost)
         if self._guard is not None:
+            found = self._guard.failure is not None
             # No checked collectives after a failure: Lightning's SIGTERM handler broadcasts during
             # teardown, and the guard would wait for peers that are gone until the launcher's SIGKILL
             # (30 s under torchrun); unguarded, gloo fails at once.
             self._guard.uninstall()
+            if found and self.global_rank == 0:
+                # Rank 0 hosts the store: stay a few watchdog turns, so the peers read the error it posted
+                # there instead of only "the store stopped answering" once it is gone.
+                time.sleep(min(1.0, 5 * self._guard.interval))
         super().on_exception(exception)
 
     @override
@@ -340,15 +348,19 @@ class SyncDDPStrategy(DDPStrategy):
         # active exception") after a successful run.
         gc.collect()
         if dist.is_available() and dist.is_initialized():
+            env = self.cluster_environment
+            assert env is not None
             try:
                 if not self._failed:
+                    if self._guard is not None:
+                        # the run's last collectives were compared after they ran: a mismatch among them
+                        # (ranks that synced different metrics at the last epoch end) is raised here
+                        self._guard.closing_check()
                     dist.barrier()  # nobody destroys the group while a peer still uses it
             finally:
                 if self._guard is not None:
                     self._guard.uninstall()
-            env = self.cluster_environment
-            assert env is not None
-            destroy_default_group(env.main_address, env.main_port)
+                destroy_default_group(env.main_address, env.main_port)
 
     # ------------------------------------------------------------------ registry
 
@@ -369,7 +381,6 @@ def destroy_default_group(main_address: str, main_port: int, wait: float = 3.0) 
     """
     import os
     import socket
-    import time
 
     rank = dist.get_rank()
     dist.destroy_process_group()

@@ -1,8 +1,11 @@
-"""The ``ddp_sync`` guard's Lightning-level checks: a callback the strategy adds, beside the strategy.
+"""The ``ddp_sync`` strategy's Lightning-level checks: callbacks the strategy adds, beside the strategy.
 
-:class:`GuardChecks` (added by ``strategy="ddp_sync"`` while its guard is on) checks the training
-sampler, per-rank batch counts and the set of logged keys. The user-facing consistency callbacks
-(``ParameterConsistencyCheck``) live in :mod:`lightning_sync.callbacks.consistency`.
+:class:`SamplerCheck` (while the guard is on) warns about a training sampler that is not
+distributed; :class:`UnevenBatchCheck` compares per-rank batch counts. Whether ranks synchronise the
+same logged metrics is the guard's job at the reduction itself (the metric's name is part of each
+``sync_dist`` collective's fingerprint); keys logged without ``sync_dist`` may differ per rank, as
+Lightning allows. The user-facing consistency callbacks (``ParameterConsistencyCheck``) live in
+:mod:`lightning_sync.callbacks.consistency`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from lightning_sync import collectives
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync.errors import RankMismatchError, format_ranks
 
-__all__ = ["GuardChecks"]
+__all__ = ["SamplerCheck", "UnevenBatchCheck"]
 
 
 def _loaders(trainer: pl.Trainer) -> list[Any]:
@@ -36,21 +39,9 @@ def _loaders(trainer: pl.Trainer) -> list[Any]:
     return found
 
 
-class GuardChecks(pl.Callback):
-    """The ``ddp_sync`` guard's Lightning-level checks (added by the strategy; no need to add it).
-
-    * train start: a training loader whose sampler is not distributed (every rank would see the
-      whole data set) gets a warning with the fix;
-    * every training epoch start: per-rank batch counts are gathered; uneven counts raise (or,
-      with ``uneven_batches="stop_together"``, every rank stops when the shortest runs out);
-    * every epoch end: the sets of logged keys are compared; differing keys raise.
-
-    Args:
-        uneven_batches: ``"error"`` or ``"stop_together"``.
-    """
-
-    def __init__(self, uneven_batches: str = "error") -> None:
-        self.uneven_batches = uneven_batches
+class SamplerCheck(pl.Callback):
+    """At train start, warns with the fix when a training loader's sampler is not distributed (every rank
+    would see the whole data set). Added by ``strategy="ddp_sync"`` while its guard is on."""
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size < 2:
@@ -72,6 +63,22 @@ class GuardChecks(pl.Callback):
                     "DistributedSampler(dataset, shuffle=True) yourself. Ignore this if each rank's dataset is its "
                     "own shard."
                 )
+
+
+class UnevenBatchCheck(pl.Callback):
+    """At every training epoch start, compares the ranks' batch counts (one small gather).
+
+    Uneven counts raise :class:`~lightning_sync.RankMismatchError` with every rank's count, or, with
+    ``uneven_batches="stop_together"``, every rank's epoch ends when the shortest runs out. Added by
+    ``strategy="ddp_sync"`` whatever its guard setting: a rank with more batches would otherwise wait
+    in DDP's gradient all-reduce until the process group's timeout.
+
+    Args:
+        uneven_batches: ``"error"`` or ``"stop_together"``.
+    """
+
+    def __init__(self, uneven_batches: str = "error") -> None:
+        self.uneven_batches = uneven_batches
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size < 2:
@@ -102,29 +109,3 @@ class GuardChecks(pl.Callback):
             "SyncDDPStrategy(uneven_batches='stop_together') to end the epoch on every rank when the first runs out.",
             shown,
         )
-
-    def _compare_keys(self, trainer: pl.Trainer, stage: str) -> None:
-        if trainer.world_size < 2 or trainer.sanity_checking:
-            return
-        keys = _compat.logged_keys(trainer)
-        gathered = collectives.gather_objects(keys, safe=True)
-        assert gathered is not None
-        if all(k == gathered[0] for k in gathered):
-            return
-        union = set().union(*map(set, gathered))
-        missing = {r: sorted(k.split(".", 1)[-1] for k in union - set(g)) or "-" for r, g in enumerate(gathered)}
-        extra = {r: sorted(k.split(".", 1)[-1] for k in set(g) - set.intersection(*map(set, gathered))) or "-"
-                 for r, g in enumerate(gathered)}
-        raise RankMismatchError(
-            f"ranks logged different keys during this {stage} epoch: only on that rank: {format_ranks(extra)}; missing "
-            f"on that rank: {format_ranks(missing)}. Per-rank keys give per-rank metrics that no logger can combine, "
-            "and with sync_dist=True they pair up different metrics across ranks (or hang). Log the same keys on every "
-            "rank (put the rank in the value, not the name) or log rank-specific values with rank_zero_only=True.",
-            extra,
-        )
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._compare_keys(trainer, "training")
-
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._compare_keys(trainer, "validation")

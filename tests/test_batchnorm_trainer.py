@@ -99,7 +99,7 @@ def test_ddp_sync_strategy_with_sync_batchnorm_flag_matches_one_process(tmp_path
 
 def test_callback_with_sync_batchnorm_flag_raises() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", sync_batchnorm=True, logger=False,
-                         enable_progress_bar=False, enable_checkpointing=False)
+                         enable_checkpointing=False)
     with pytest.raises(MisconfigurationException, match="Use one or the other"):
         SyncBatchNormConversion().setup(trainer, pl.LightningModule(), "fit")
 

@@ -250,12 +250,13 @@ LOSS_LINE = _line('self.log("loss"')
 # scenario -> (error type on every rank that can act, texts the message must contain, ranks that must raise)
 SCENARIOS = {
     "rank0_log": ("CollectiveMismatchError", [
-        f"rank 0 at fit_guard.py:{_line('rank0_loss')} training_step: strategy.reduce float32[] op=mean",
-        "rank 1 never reached it", f"fit_guard.py:{LOSS_LINE} training_step"], [0]),
+        f"rank 0 at fit_guard.py:{_line('rank0_loss')} training_step (metric 'rank0_loss'): strategy.reduce "
+        "float32[] op=mean", "rank 1 never reached it", f"fit_guard.py:{LOSS_LINE} training_step (metric 'loss')"],
+        [0]),
     "rank0_checkpoint": ("CollectiveMismatchError", [
         f"rank 0 at fit_guard.py:{_line('manual.ckpt')} on_train_epoch_end", "rank 1 at fit_guard.py"], [0, 1]),
-    "log_keys": ("RankMismatchError", ["logged different keys", "rank 0 ['loss_rank0'], rank 1 ['loss_rank1']"],
-                 [0, 1]),
+    "log_keys_synced": ("CollectiveMismatchError", ["(metric 'loss_rank0'): strategy.reduce",
+                                                    "(metric 'loss_rank1'): strategy.reduce"], [0, 1]),
     "uneven": ("RankMismatchError", ["different numbers of training batches", "rank 0 5, rank 1 6",
                                      "uneven_batches='stop_together'"], [0, 1]),
     "buffer_drift": ("ParameterDivergenceError", ["'seen' has checksum rank 0 0, rank 1 "], [0, 1]),
@@ -275,6 +276,13 @@ def test_trainer_mistake_raises_precise_error(tmp_path: Path, scenario: str) -> 
         for text in texts:
             assert text in error["message"], error["message"]
     assert not _lightning_procs(tmp_path), "a rank was left behind"
+
+
+@pytest.mark.slow
+def test_per_rank_keys_without_sync_are_allowed(tmp_path: Path) -> None:
+    """Lightning supports per-rank keys logged without sync_dist (each rank's logger sees its own)."""
+    r0, r1 = fit(tmp_path, "log_keys")
+    assert r0["error"] is None and r1["error"] is None and r0["steps"] == r1["steps"] == 6
 
 
 @pytest.mark.slow
@@ -379,3 +387,46 @@ def test_trust_is_explicit() -> None:
     with ls_guard.trusted():
         assert is_trusted(frame)
     assert not is_trusted(frame)
+
+
+# ---------------------------------------------------------------------------------------- the guard's life cycle
+
+
+def _guard_outlived(rank: int, world: int, how: str) -> dict:
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "barrier")}
+    guard = CollectiveGuard(timeout=10)
+    guard.install()
+    thread = next(t for t in threading.enumerate() if t.name == "lightning_sync-guard")
+    dist.barrier()
+    start = time.monotonic()
+    if how == "group destroyed":  # nobody uninstalls the guard (a strategy set up and dropped)
+        dist.destroy_process_group()
+        thread.join(timeout=5)
+    else:  # what Lightning's test harness does with a daemon thread left over: thread.stop(), join
+        thread.stop()  # type: ignore[attr-defined]
+        thread.join(timeout=5)
+    return {"alive": thread.is_alive(), "active": guard.active, "took": time.monotonic() - start,
+            "restored": all(getattr(dist, n) is fn for n, fn in originals.items())}
+
+
+@pytest.mark.parametrize("how", ["group destroyed", "thread.stop()"])
+def test_guard_never_outlives_its_process_group(how: str) -> None:
+    for res in run_ranks(_guard_outlived, 2, args=(how,), timeout=60):
+        assert not res["alive"] and not res["active"] and res["restored"], res
+        assert res["took"] < 2, res
+
+
+def _watchdog_dies(rank: int, world: int) -> None:
+    with CollectiveGuard(timeout=30) as guard:
+        dist.barrier()
+        assert guard._monitor is not None
+        guard._monitor.turn = lambda: 1 / 0  # type: ignore[method-assign]  # a bug inside the watchdog
+        time.sleep(0.5)
+        dist.all_reduce(torch.ones(1))
+
+
+def test_a_failed_watchdog_fails_the_run_instead_of_guarding_nothing() -> None:
+    start = time.monotonic()
+    for text in _errors(run_ranks(_watchdog_dies, 2, timeout=60, expect_failure=True)):
+        assert "the collective guard's watchdog failed (ZeroDivisionError" in text, text
+    assert time.monotonic() - start < 30

@@ -127,8 +127,7 @@ def test_done_set_dense_and_sparse(tmp_path: Path) -> None:
 
 
 def _trainer(writer: ls.PredictionWriter) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                     enable_model_summary=False, callbacks=[writer])
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[writer])
 
 
 def test_one_process_target_checks_and_resume(tmp_path: Path) -> None:

@@ -47,7 +47,6 @@ __all__ = [
     "layer_sync",
     "load_pending_train_loader_state",
     "load_checkpoint_kwargs",
-    "logged_keys",
     "process_group_backend",
     "seen_batch_indices",
     "process_group_timeout",
@@ -232,12 +231,6 @@ def load_pending_train_loader_state(trainer: Any) -> bool:
     return True
 
 
-def logged_keys(trainer: Any) -> list[str]:
-    """The keys logged with ``self.log`` in the running epoch (Lightning's result collection)."""
-    results = trainer._results
-    return sorted(results.keys()) if results is not None else []
-
-
 def slurm_requeue_signal(trainer: Any) -> int | None:
     """The signal Lightning's SLURM auto-requeue handler listens to, or None when it has none."""
     from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
@@ -353,8 +346,10 @@ def _result_metric_file_fits() -> bool:
 
     from lightning_sync._compat.torch_api import LIGHTNING_RESULT_FILE
 
-    compute = getattr(result._ResultMetric, "compute", None)
-    return callable(compute) and compute.__code__.co_filename.endswith(LIGHTNING_RESULT_FILE)
+    # compute (epoch-end sync) and update (per-step sync) call the strategy's reduce with the metric as self
+    methods = [getattr(result._ResultMetric, name, None) for name in ("compute", "update")]
+    return all(callable(m) and m.__code__.co_filename.endswith(LIGHTNING_RESULT_FILE)
+               and "meta" in m.__code__.co_names for m in methods)
 
 
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
@@ -387,8 +382,6 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                lambda: callable(getattr(_trainer().fit_loop, "_load_combined_loader_states", None))
                and hasattr(_trainer().fit_loop, "_combined_loader_states_to_load")
                and hasattr(_trainer().fit_loop, "_data_fetcher")),
-    TouchPoint("lightning.pytorch.Trainer._results", "logged keys compared across ranks",
-               lambda: hasattr(_trainer(), "_results")),
     TouchPoint("lightning.fabric.strategies.launchers.subprocess_script._launch_process_observer",
                "Hydra launcher: the job ends when a rank dies", lambda: "child_processes" in _params(launch_process_observer)),
     TouchPoint("lightning.fabric.utilities.distributed._set_num_threads_if_needed", "Hydra launcher: threads per rank",
@@ -415,7 +408,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "SLURM requeue checkpoint at a step every rank agrees on (lightning_sync.preemption)",
                _step_broadcast_fits),
     TouchPoint("lightning.pytorch.trainer.connectors.logger_connector.result._ResultMetric.compute (its file name)",
-               "the collective guard names the logged metric Lightning is syncing", _result_metric_file_fits),
+               "the collective guard names the logged metric Lightning is syncing (compute and update)", _result_metric_file_fits),
     TouchPoint("lightning.fabric.strategies.registry._StrategyRegistry", "type of StrategyRegistry (annotations)",
                lambda: callable(getattr(StrategyRegistry, "register", None))
                and {"name", "strategy", "description", "override"} <= _params(StrategyRegistry.register)),

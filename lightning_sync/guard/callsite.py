@@ -80,6 +80,9 @@ def _library_dirs() -> tuple[str, ...]:
 _ENTRY_POINTS = frozenset({os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")})
 
 
+_RESULT_SYNCS = frozenset({"compute", "update"})
+
+
 class CallSites:
     """Finds ``file:line function`` of the innermost frame outside the libraries (cached per code object)."""
 
@@ -112,14 +115,18 @@ class CallSites:
                         filename = str(frame.f_globals.get("__file__") or filename)
                     site = self._text[key] = f"{os.path.basename(filename)}:{frame.f_lineno} {code.co_name}"
                 break
-            if metric is None and code.co_name == "compute" and code.co_filename.endswith(LIGHTNING_RESULT_FILE):
-                # Lightning syncing a logged metric: its name tells two epoch-end reductions apart
+            if metric is None and code.co_name in _RESULT_SYNCS and code.co_filename.endswith(LIGHTNING_RESULT_FILE):
+                # Lightning syncing a logged metric (per step in update, per epoch in compute): its name
+                # tells two reductions apart, so ranks that sync different keys are a mismatch
                 meta = getattr(frame.f_locals.get("self"), "meta", None)
                 metric = getattr(meta, "name", None)
             frame = frame.f_back
+        if metric:
+            # No hook label: Lightning computes a metric wherever it is first read, and rank 0's progress
+            # bar reads it in on_train_epoch_end while the other ranks' logger connector does after the
+            # hooks; the metric's name is what identifies the reduction.
+            return f"{site} (metric {metric!r})"
         hook = self.context() if self.context is not None else None
         if hook and not site.endswith(hook):
             site += f" [{hook}]"
-        if metric:
-            site += f" (metric {metric!r})"
         return site

@@ -190,9 +190,20 @@ class CollectiveGuard:
             if exc_type is None and self.active and dist.is_initialized():
                 # A closing check: a rank that skipped a collective the others made, or a mismatch in
                 # the last collectives, is reported here rather than going unnoticed.
-                self.check(_CLOSING, "", None, _skip=1)
+                self.closing_check()
         finally:
             self.uninstall()
+
+    def closing_check(self) -> None:
+        """Wait until every rank's collectives so far were compared (every rank must call it; blocks for at
+        most ``timeout`` s). The last collectives of a run are compared after they ran: without this, a
+        mismatch among them (ranks syncing different metrics at the last epoch end) would only be printed.
+
+        Raises:
+            CollectiveMismatchError: as :meth:`check`.
+        """
+        if self.active and dist.is_initialized():
+            self.check(_CLOSING, "", None, _skip=2)
 
     def install(self, context: Callable[[], str | None] | None = None) -> None:
         """Start guarding: needs an initialised default process group; every rank must call it.
@@ -225,6 +236,8 @@ class CollectiveGuard:
         self._exchange.start()
         self._monitor = Monitor(self._exchange, self._recorder, self.timeout, self.hang_timeout, self._write,
                                 interval=self.interval)
+        self._monitor.group_alive = dist.is_initialized
+        self._monitor.owner_stop = self.uninstall
         self._monitor.start()
         self._interceptor = Interceptor(self)
         self._interceptor.install()
@@ -303,6 +316,11 @@ class CollectiveGuard:
                     raise failure
                 if monitor.verified(self._stream) >= fp.seq:
                     return
+                if not monitor.running:  # nobody left to confirm it (the guard was ended meanwhile)
+                    raise LightningSyncError(
+                        f"rank {self._rank}: the collective guard stopped while {op!r} waited for the other ranks' "
+                        "confirmation (its process group was destroyed, or the guard uninstalled from another "
+                        "thread); the check cannot complete.")
                 time.sleep(0.005)
         finally:
             if previous is None:

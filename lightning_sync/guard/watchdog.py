@@ -28,6 +28,20 @@ _EXIT_CODE = 70
 _monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
 
 
+class _WatchdogThread(threading.Thread):
+    """The watchdog's daemon thread. Its ``stop()`` ends the guard it belongs to: that is the method
+    harnesses that find a left-over daemon thread call (Lightning's own test suite does)."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        super().__init__(target=monitor._run, name="lightning_sync-guard", daemon=True)
+        self._monitor = weakref.ref(monitor)
+
+    def stop(self) -> None:
+        monitor = self._monitor()
+        if monitor is not None:
+            monitor._end_owner()
+
+
 class StoreLostError(LightningSyncError):
     """The rendezvous store stopped answering: the process hosting it (rank 0, or an agent) is gone."""
 
@@ -78,6 +92,10 @@ class Monitor:
         self._store_lost_since: float | None = None
         self._killed: set[int] = set()
         self._verified: dict[str, int] = {}  # replaced, never mutated: read by the training thread
+        #: returns False once the process group this guard checks is gone (set by the guard)
+        self.group_alive: Callable[[], bool] | None = None
+        #: ends the whole guard, not only this thread (set by the guard; called by the thread's ``stop``)
+        self.owner_stop: Callable[[], None] | None = None
         _monitors.add(self)
 
     # ---------------------------------------------------------------- life cycle
@@ -86,13 +104,19 @@ class Monitor:
     def failure(self) -> BaseException | None:
         return self._failure
 
+    @property
+    def running(self) -> bool:
+        """True while the watchdog thread is alive (it compares, times out and diagnoses)."""
+        thread = self._thread
+        return self._paused or (thread is not None and thread.is_alive())
+
     def verified(self, stream: str) -> int:
         """Highest seq of ``stream`` this rank compared equal with its neighbour."""
         return self._verified.get(stream, -1)
 
     def start(self) -> None:
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="lightning_sync-guard", daemon=True)
+        self._thread = _WatchdogThread(self)
         self._thread.start()
 
     def stop(self) -> None:
@@ -132,11 +156,28 @@ class Monitor:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            if self.group_alive is not None and not self.group_alive():
+                # Whoever destroyed the process group ended the run without tearing the guard down
+                # (a strategy set up and dropped, a test harness): stop guarding instead of lingering.
+                self._end_owner()
+                return
             try:
                 self.turn()
-            except Exception as err:  # noqa: BLE001 - a bug here must never take the training down
-                self._write(f"[lightning_sync guard] rank {self.exchange.rank}: watchdog error: {err!r}\n", False)
+            except Exception as err:  # noqa: BLE001 - a bug here must not leave a guard that checks nothing
+                # Without this thread nothing compares or times out: fail the run with the cause, so every
+                # rank's next collective (or closing check) raises instead of waiting on a dead watchdog.
+                self.fail(LightningSyncError(
+                    f"rank {self.exchange.rank}: the collective guard's watchdog failed ({type(err).__name__}: {err}); "
+                    "collectives can no longer be checked, so the run stops here. Please report it; "
+                    "SyncDDPStrategy(guard=False) runs without the guard."), stack=False, may_exit=False)
                 return
+
+    def _end_owner(self) -> None:
+        owner_stop = self.owner_stop
+        try:
+            (owner_stop or self.stop)()
+        except Exception:  # noqa: BLE001 - the store may be gone with the group: nothing left to tell
+            pass
 
     # ---------------------------------------------------------------- one turn
 

@@ -175,7 +175,7 @@ def bad_step(model: Model, out: dict[str, Any], batch_idx: int) -> Any:
 
 def trainer(args: argparse.Namespace, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=args.devices, strategy=args.strategy, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kwargs)
+                     callbacks=callbacks, **kwargs)
 
 
 def metrics() -> dict[str, Any]:

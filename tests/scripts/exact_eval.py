@@ -121,7 +121,7 @@ def loaders(configs: list[tuple[int, int, bool]]) -> list[DataLoader]:
 
 def trainer(strategy: Any, **kwargs: Any) -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=int(os.environ["LSYNC_TEST_DEVICES"]), strategy=strategy,
-                     logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     logger=False,
                      enable_checkpointing=False, **kwargs)
 
 

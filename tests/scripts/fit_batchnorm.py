@@ -79,8 +79,8 @@ def main(out_dir: str, mode: str) -> None:
         raise SystemExit(f"unknown mode {mode!r}")
     callbacks = kwargs.pop("callbacks", [])
     callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=out_dir, filename="final", save_top_k=1))
-    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, max_epochs=1, enable_progress_bar=False, logger=False,
-                         enable_model_summary=False, use_distributed_sampler=False, callbacks=callbacks, **kwargs)
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, max_epochs=1, logger=False,
+                         use_distributed_sampler=False, callbacks=callbacks, **kwargs)
     module = Module()
     trainer.fit(module)
     rank = trainer.global_rank

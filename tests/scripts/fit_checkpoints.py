@@ -46,7 +46,7 @@ def main() -> None:
     ckpt = ModelCheckpoint(dirpath=Path(args.out) / "ckpt", every_n_train_steps=1, save_top_k=2, monitor="step",
                            mode="max", save_last=True)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt])
+                        callbacks=[ckpt])
     trainer.fit(Big(), DataLoader(TensorDataset(torch.randn(8 * args.steps, 4096)), batch_size=4))
 
 

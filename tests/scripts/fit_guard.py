@@ -5,7 +5,7 @@ python tests/scripts/fit_guard.py --out DIR --scenario NAME [--no-guard] [--guar
 --no-guard: ddp_sync with guard=False and no ParameterConsistencyCheck (what happens without them).
 
 The report holds the exception each rank raised (type and message), the warnings it saw and the
-number of optimizer steps it ran. Scenarios: ok, rank0_log, rank0_checkpoint, log_keys, warnings
+number of optimizer steps it ran. Scenarios: ok, rank0_log, rank0_checkpoint, log_keys (allowed), log_keys_synced, warnings
 (plain sampler, different initial parameters and uneven batches with
 uneven_batches="stop_together"), uneven, buffer_drift.
 """
@@ -43,7 +43,10 @@ class Model(L.LightningModule):
         if self.scenario == "rank0_log" and self.global_rank == 0 and batch_idx == 1:
             self.log("rank0_loss", loss, sync_dist=True)  # the mistake: a collective only rank 0 makes
         if self.scenario == "log_keys":
-            self.log(f"loss_rank{self.global_rank}", loss)  # the mistake: per-rank key names
+            self.log(f"loss_rank{self.global_rank}", loss)  # per-rank keys, not synced: allowed, as in Lightning
+        if self.scenario == "log_keys_synced":
+            # the mistake: per-rank keys synced, so each rank's reduction pairs with another metric
+            self.log(f"loss_rank{self.global_rank}", loss, on_step=False, on_epoch=True, sync_dist=True)
         if self.scenario == "buffer_drift" and self.global_rank == 1:
             self.seen += len(x)  # the mistake: state updated on one rank only, never synced
         return loss
@@ -87,7 +90,7 @@ def main() -> None:
     check = ls.ParameterConsistencyCheck(every_n_steps=2)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=ls.SyncDDPStrategy(seed=7, **strategy_kwargs), max_epochs=args.epochs,
-        logger=False, enable_checkpointing=scenario == "ok", enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=scenario == "ok",
         use_distributed_sampler=not plain, callbacks=[] if args.no_guard else [check], default_root_dir=str(args.out),
         num_sanity_val_steps=0,
     )

@@ -110,7 +110,7 @@ def run(out: Path, kind: str, args: list[str], tag: str, opts: argparse.Namespac
         ckpt = args[1] if "/" in args[1] else str(out / args[1] / "last.ckpt")
     strategy = ls.SyncDDPStrategy(seed=None if kind == "resume" else 1234, resume=opts.auto)
     trainer = L.Trainer(accelerator="cpu", devices=opts.devices, strategy=strategy, max_epochs=epochs,
-                        max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        max_steps=max_steps, logger=False,
                         enable_checkpointing=kind == "stop", callbacks=callbacks, limit_val_batches=0,
                         num_sanity_val_steps=0, default_root_dir=out / tag)
     torch.manual_seed(int(os.environ.get("LOCAL_RANK", 0)) + 77)  # ranks start apart: ddp_sync must align them

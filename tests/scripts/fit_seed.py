@@ -122,7 +122,7 @@ def main() -> None:
     if args.save_ckpt:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=args.out, save_last=True, save_top_k=0))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.epochs, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=args.save_ckpt,
+                        enable_checkpointing=args.save_ckpt,
                         callbacks=callbacks)
     model = Model()
     data = WorkerDraw() if args.workers else Indexed()

@@ -153,7 +153,7 @@ def trainer(args: argparse.Namespace, callbacks: list[L.Callback]) -> L.Trainer:
     if args.strategy == "ddp_sync":
         strategy = ls.SyncDDPStrategy(seed=1234, guard_timeout=20)
     return L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+                     callbacks=callbacks)
 
 
 def predict(args: argparse.Namespace, loader: DataLoader, path: Path, model: Model | None = None,

@@ -91,7 +91,7 @@ def outcome(step: Callable[[], Any]) -> dict[str, Any]:
 
 
 def kwargs(trainer_args: dict[str, Any]) -> dict[str, Any]:
-    return dict(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+    return dict(accelerator="cpu", devices=2, logger=False,
                 **trainer_args)
 
 
@@ -108,7 +108,7 @@ def main() -> None:
     ckpt_dir = args.out / "ckpt"
     cli = LightningCLI(Model, run=False, save_config_kwargs={"overwrite": True}, args=[
         f"--trainer.strategy={name}", "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_epochs=2",
-        "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--trainer.logger=false",
         f"--trainer.default_root_dir={args.out}"])
     trainer = cli.trainer
     trainer.callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True))

@@ -1,6 +1,7 @@
 """lightning_sync: explicit, checked data synchronisation for PyTorch Lightning DDP.
 
-``import lightning_sync`` registers the strategy names ``"ddp_sync"`` and ``"ddp_sync_spawn"``.
+``import lightning_sync`` registers the strategy names ``"ddp_sync"``, ``"ddp_sync_spawn"`` and
+``"ddp_sync_notebook"`` (Jupyter).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry as _strategy_registry

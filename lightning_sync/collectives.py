@@ -35,7 +35,7 @@ import math
 import pickle
 import secrets
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -51,6 +51,7 @@ __all__ = [
     "all_reduce",
     "broadcast_object",
     "broadcast_seed",
+    "check_same_layout",
     "gather_objects",
     "gather_uneven",
     "is_distributed",
@@ -66,7 +67,7 @@ MAX_SEED = 2**32 - 1
 _REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
 # Order matters: the index is the wire code. Append only.
 _CALLS = ("all_reduce", "all_gather_uneven", "broadcast_object", "gather_objects", "broadcast_seed",
-          "all_gather_uneven_dict", "gather_uneven")
+          "all_gather_uneven_dict", "gather_uneven", "check_same_layout")
 # Record layout (int64): magic, call, problem (bytes of this rank's argument error; 0: arguments
 # valid), arg (src, dst or op), payload (rows or bytes), aux (the seed), layout checksum.
 _MAGIC = 0x4C53594E  # "LSYN"
@@ -126,13 +127,32 @@ def _comm_device(group: dist.ProcessGroup | None, tensor: Any = None) -> torch.d
     return torch.device("cpu")
 
 
-#: Set by :mod:`lightning_sync.guard` while a collective guard is active: called with the collective's
-#: name and group before its metadata exchange; returns a token of the call (op + call site) that
-#: travels in the exchange, so ranks calling from different places are stopped before the payload
-#: moves (``_guard_explain(name, group, tokens_by_rank)`` builds that error). Shapes and arguments
-#: are still checked below, with the more specific RankMismatchError.
+# The active collective guard's two callbacks (see register_guard); None without a guard.
 _guard_hook: Any = None
 _guard_explain: Any = None
+
+
+def register_guard(hook: Callable[[str, Any], int], explain: Callable[[str, Any, dict[int, int]], BaseException]
+                   ) -> None:
+    """Let a collective guard check every call of this module (one guard at a time; the last one wins).
+
+    Args:
+        hook: called with the collective's name and group before its metadata exchange; returns a
+            token of the call (op + call site, 0: not recorded) that travels in the exchange, so
+            ranks calling from different places are stopped before the payload moves. Shapes and
+            arguments are still checked here, with the more specific RankMismatchError.
+        explain: called with the name, the group and every rank's token when the tokens differ;
+            returns the error every rank raises.
+    """
+    global _guard_hook, _guard_explain
+    _guard_hook, _guard_explain = hook, explain
+
+
+def unregister_guard(hook: Callable[[str, Any], int]) -> None:
+    """Undo :func:`register_guard` (only if ``hook`` is the registered one)."""
+    global _guard_hook, _guard_explain
+    if _guard_hook == hook:
+        _guard_hook = _guard_explain = None
 
 
 def _exchange(record: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
@@ -377,6 +397,42 @@ def all_reduce(tensor: Tensor, op: ReduceOpName = "sum", group: dist.ProcessGrou
     if staged is not work:
         work.copy_(staged)
     return tensor
+
+
+def check_same_layout(tensor: Tensor, caller: str = "check_same_layout", fix: str = "",
+                      group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank, before any data moves, unless every rank's tensor has the same shape, dtype
+    and device kind (for collectives that need equal shapes: ``all_gather``, ``all_reduce``, ``broadcast``).
+
+    All ranks of ``group`` must call it; it blocks (one small metadata exchange). Does nothing when
+    not distributed.
+
+    Args:
+        tensor: this rank's tensor.
+        caller: the operation named in the error (e.g. ``"self.all_gather"``).
+        fix: what to do instead, appended to the error.
+        group: the process group; the world by default.
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor (on every rank when any rank's is not).
+        RankMismatchError: the layouts differ (on every rank, naming each rank's shape and dtype).
+    """
+    fn = "check_same_layout"
+    problem = None if isinstance(tensor, Tensor) else _Problem(TypeError, f"tensor must be a torch.Tensor; got "
+                                                                          f"{_value(tensor)}.")
+    if not is_distributed(group):
+        _raise_local(fn, problem)
+        return
+    device = _comm_device(group, tensor if problem is None else None)
+    layout = [["", *_layout(tensor)]] if problem is None else None
+    records, ranks = _agree(fn, group, device, problem, layout=layout)
+    if len({rec[_I_LAYOUT] for rec in records}) == 1:
+        return
+    assert layout is not None
+    layouts = {r: json.loads(t) for r, t in zip(ranks, _all_gather_texts(json.dumps(layout), group, device))}
+    shown = {r: _describe(lay[0][1:]) for r, lay in layouts.items()}
+    raise RankMismatchError(f"{caller}: the tensor differs across ranks: {format_ranks(shown)}, and {caller} needs "
+                            f"one shape and dtype on every rank. {fix}".rstrip(), shown)
 
 
 def _reduce_problem(tensor: Any, op: Any) -> _Problem | None:

@@ -48,12 +48,16 @@ class DeferredRequeue(L.Callback):
         self._loop: Any = None
 
     def install(self, trainer: Any) -> bool:
-        """Take over the requeue signal from Lightning's handler (call after Lightning registered it).
-        Returns whether it did: only in ``fit`` (validate, test and predict have no training steps to
-        wait for and keep Lightning's handler), under SLURM with auto-requeue, with more than one
-        rank, from the main thread."""
-        if self._handler is not None or trainer.world_size < 2 or not trainer.training:
+        """Replace Lightning's per-step SIGTERM broadcast by this one, and take over the requeue signal from
+        Lightning's handler (call after Lightning registered it). Returns whether the signal was taken:
+        only in ``fit`` (validate, test and predict have no training steps to wait for and keep
+        Lightning's handler), under SLURM with auto-requeue, with more than one rank, from the main
+        thread. The broadcast is replaced in every ``fit`` with more than one rank: Lightning's swallows
+        any exception, the collective guard's error included, and training would walk on into the next
+        step's collectives of a broken group."""
+        if self._loop is not None or trainer.world_size < 2 or not trainer.training:
             return False
+        self._loop = compat.install_step_flag_broadcast(trainer, self._step_boundary)
         if threading.current_thread() is not threading.main_thread():
             return False
         signum = compat.slurm_requeue_signal(trainer)
@@ -64,19 +68,19 @@ class DeferredRequeue(L.Callback):
             return False
         self._signum, self._handler = signum, handler
         signal.signal(signum, self._note)
-        self._loop = compat.install_step_flag_broadcast(trainer, self._step_boundary)
         return True
 
     def uninstall(self) -> None:
         """Put Lightning's handler and its step broadcast back (Lightning's own teardown then restores
         the handlers it found)."""
+        compat.remove_step_flag_broadcast(self._loop)
+        self._loop = None
         if self._handler is None:
             return
         main = threading.current_thread() is threading.main_thread()
         if main and self._signum is not None and signal.getsignal(self._signum) == self._note:
             signal.signal(self._signum, self._handler)
-        compat.remove_step_flag_broadcast(self._loop)
-        self._handler, self._loop, self.requested, self.due = None, None, False, False
+        self._handler, self.requested, self.due = None, False, False
 
     def _note(self, signum: int, frame: Any) -> None:
         self.requested = True

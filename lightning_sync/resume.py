@@ -18,8 +18,8 @@ batches, and exactly the random numbers, of the uninterrupted run:
 * each rank's global RNG states (``lightning_sync.seeding``), restored after the resumed iterator
   was created (creating one draws a seed from the global generator).
 
-torchdata is optional (``pip install lightning_sync[resume]``); without it training works as before
-and a mid-epoch checkpoint resumes at the right epoch but not at the right batch.
+torchdata is a requirement of the package; an environment without it (installed with ``--no-deps``)
+trains as before, and a mid-epoch checkpoint resumes at the right epoch but not at the right batch.
 """
 
 from __future__ import annotations
@@ -509,7 +509,7 @@ class ResumeHooks:
                 f"loader has sampler {type(sampler).__name__} / batch sampler "
                 f"{type(getattr(dataloader, 'batch_sampler', None)).__name__}"
                 f"{'' if torchdata_available() else ' and torchdata is not installed'}. Resume with the loader "
-                "the checkpoint was written with (pip install 'lightning_sync[resume]').")
+                "the checkpoint was written with (and torchdata installed: pip install 'torchdata>=0.10').")
         self._expects_resumable_loader = False
 
     @staticmethod

@@ -1,7 +1,7 @@
 """``SyncDDPStrategy``: Lightning's DDP plus explicit, checked synchronisation.
 
-Registered as ``"ddp_sync"`` (Lightning's subprocess launcher, torchrun, SLURM) and
-``"ddp_sync_spawn"`` by ``import lightning_sync``.
+Registered as ``"ddp_sync"`` (Lightning's subprocess launcher, torchrun, SLURM), ``"ddp_sync_spawn"``
+and ``"ddp_sync_notebook"`` (forked ranks: Jupyter) by ``import lightning_sync``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import PathLike, StrategyRegistryType
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.checkpoint_io import AtomicCheckpointIO
-from lightning_sync.collectives import validate_seed
+from lightning_sync.collectives import check_same_layout, validate_seed
 from lightning_sync.errors import UnevenEvaluationError
 from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.guard.nccl import configure_nccl_flight_recorder
@@ -38,6 +38,13 @@ from lightning_sync.strategy_callbacks import install_first
 __all__ = ["SyncDDPStrategy"]
 
 log = logging.getLogger(__name__)
+
+_ALL_GATHER_FIX = (
+    "Under ddp_sync every evaluation sample is evaluated once (no padding), so the ranks' last batches can "
+    "differ in size. Gather rows with lightning_sync.collectives.all_gather_uneven(tensor) (every rank's rows "
+    "concatenated in rank order, and each rank's row count), collect per-sample outputs with "
+    "lightning_sync.ValidationGather, or pass SyncDDPStrategy(exact_eval=False) for Lightning's padded sampler "
+    "(equal batches, some samples twice).")
 
 
 class SyncDDPStrategy(DDPStrategy):
@@ -101,11 +108,19 @@ class SyncDDPStrategy(DDPStrategy):
         self._resume_arg = resume
         self._resume = ResumeHooks()
         self._requeue = DeferredRequeue()  # SLURM's requeue signal handled at a step boundary
+        self._quiet_warning: Any = None
 
     @property
     def seed(self) -> int | None:
         """The root seed every rank agreed on (``None`` before the process group is set up)."""
         return self._lineage.root if self._lineage is not None else None
+
+    def _adopt_root(self, root: int) -> None:
+        """In the launching process of spawned/forked ranks: the root seed rank 0 agreed on (its next
+        ``fit``/``validate`` agrees on it again)."""
+        if self._lineage is None or self._lineage.root != root:
+            self._lineage = SeedLineage(root=root, world_size=self.world_size, origin="rank 0 of the last run",
+                                        local_seeds=[root])
 
     @property
     def seed_lineage(self) -> SeedLineage | None:
@@ -131,8 +146,12 @@ class SyncDDPStrategy(DDPStrategy):
                 context=lambda: _compat.current_hook_name(self.lightning_module)):
             self._guard = None
         self._failed = False
-        self._lineage = SeedLineage.agree(self._seed_arg)
-        rank_zero_info(self._lineage.describe())
+        # One root seed for the strategy's life: fit, then validate/test/predict (or a second fit) keep it
+        previous = self._lineage
+        lineage = SeedLineage.agree(self._seed_arg if previous is None else previous.root)
+        if previous is None or previous.root != lineage.root:
+            self._lineage = lineage
+            rank_zero_info(lineage.describe())
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -146,6 +165,9 @@ class SyncDDPStrategy(DDPStrategy):
         self._pending_checkpoint_state = None
         self._lineage.seed_rank_streams(self.global_rank)
         install_first(trainer, self._own_callbacks())
+        if self._exact_eval is not None and self.world_size > 1 and self._quiet_warning is None:
+            # Lightning warns that its padded sampler evaluates some samples twice: not under exact evaluation
+            self._quiet_warning = _compat.silence_padded_sampler_warning()
 
     def _own_callbacks(self) -> list[Any]:
         """The strategy's callbacks, run before every other callback (``lightning_sync.strategy_callbacks``)."""
@@ -187,6 +209,11 @@ class SyncDDPStrategy(DDPStrategy):
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         self._check_step_collective("all_gather")
+        if isinstance(tensor, Tensor) and self.world_size > 1:
+            # torch's all_gather needs one shape on every rank; with another, gloo aborts one rank and hands
+            # the other garbage. Exact evaluation gives ranks last batches of different sizes, so say so first.
+            check_same_layout(tensor, "self.all_gather", _ALL_GATHER_FIX if self._exact_eval is not None else "",
+                              group=group)
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     def _reduce(self, tensor: Any, group: Any | None, reduce_op: Any) -> Any:
@@ -297,6 +324,9 @@ class SyncDDPStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:  # compat: Lightning's launcher hook (_compat.TOUCH_POINTS)
         super()._configure_launcher()
+        if _compat.start_method(self) in ("spawn", "fork", "forkserver"):
+            # the ranks run in child processes: bring rank 0's seed lineage back with its results
+            _compat.set_launcher(self, _LineageReturningLauncher(self, start_method=_compat.start_method(self)))
         if _compat.start_method(self) == "popen":  # under Hydra: ranks replay only their job (launcher.py)
             from lightning_sync.launcher import HydraDDPLauncher, hydra_active
 
@@ -319,17 +349,22 @@ class SyncDDPStrategy(DDPStrategy):
         lost = lost_peer_message(exception, self._peers, self.global_rank)
         if lost:  # gloo only names an address: say which rank(s) that is
             log.error("lightning_sync: %s", lost)
-        if self._guard is not None:
-            found = self._guard.failure is not None
-            # No checked collectives after a failure: Lightning's SIGTERM handler broadcasts during
-            # teardown, and the guard would wait for peers that are gone until the launcher's SIGKILL
-            # (30 s under torchrun); unguarded, gloo fails at once.
-            self._guard.uninstall()
-            if found and self.global_rank == 0:
-                # Rank 0 hosts the store: stay a few watchdog turns, so the peers read the error it posted
-                # there instead of only "the store stopped answering" once it is gone.
-                time.sleep(min(1.0, 5 * self._guard.interval))
+        # No checked collectives after a failure: Lightning's SIGTERM handler broadcasts during
+        # teardown, and the guard would wait for peers that are gone until the launcher's SIGKILL
+        # (30 s under torchrun); unguarded, gloo fails at once.
+        self._end_guard()
         super().on_exception(exception)
+
+    def _end_guard(self) -> None:
+        guard = self._guard
+        if guard is None or not guard.active:
+            return
+        found = guard.failure is not None
+        guard.uninstall()
+        if found and self.global_rank == 0:
+            # Rank 0 hosts the store: stay a few watchdog turns, so the peers read the error it posted
+            # there instead of only "the store stopped answering" once it is gone.
+            time.sleep(min(1.0, 5 * guard.interval))
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -342,6 +377,8 @@ class SyncDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._requeue.uninstall()
+        _compat.restore_warning(self._quiet_warning)
+        self._quiet_warning = None
         super().teardown()  # unwraps DDP, reverts layer sync, moves the model to CPU
         # Free DDP's reducer before the process group goes: destroying them in the wrong order at
         # interpreter exit is what makes gloo processes SIGABRT ("terminate called without an
@@ -357,9 +394,11 @@ class SyncDDPStrategy(DDPStrategy):
                         # (ranks that synced different metrics at the last epoch end) is raised here
                         self._guard.closing_check()
                     dist.barrier()  # nobody destroys the group while a peer still uses it
+            except BaseException:
+                self._failed = True
+                raise
             finally:
-                if self._guard is not None:
-                    self._guard.uninstall()
+                self._end_guard()
                 destroy_default_group(env.main_address, env.main_port)
 
     # ------------------------------------------------------------------ registry
@@ -369,6 +408,24 @@ class SyncDDPStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         # Overridden so DDPStrategy's names ("ddp", ...) are not registered a second time.
         register(strategy_registry)
+
+
+class _LineageReturningLauncher(_compat.MultiProcessingLauncher):  # type: ignore[misc]
+    """Lightning's launcher for spawned and forked ranks (notebooks), which also hands rank 0's seed lineage
+    back to the launching process, so ``trainer.strategy.seed`` is the run's root seed there too."""
+
+    def get_extra_results(self, trainer: Any) -> dict[str, Any]:
+        extra: dict[str, Any] = super().get_extra_results(trainer)
+        lineage = getattr(trainer.strategy, "seed_lineage", None)
+        if lineage is not None:
+            extra["lightning_sync_root_seed"] = lineage.root
+        return extra
+
+    def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        root = extra.get("lightning_sync_root_seed")
+        if root is not None and isinstance(trainer.strategy, SyncDDPStrategy):
+            trainer.strategy._adopt_root(int(root))
 
 
 def destroy_default_group(main_address: str, main_port: int, wait: float = 3.0) -> None:
@@ -396,10 +453,12 @@ def destroy_default_group(main_address: str, main_port: int, wait: float = 3.0) 
 
 
 def register(strategy_registry: StrategyRegistryType) -> None:
-    """Register ``"ddp_sync"`` and ``"ddp_sync_spawn"`` (idempotent)."""
+    """Register ``"ddp_sync"``, ``"ddp_sync_spawn"`` and ``"ddp_sync_notebook"`` (idempotent)."""
     entries = (
         ("ddp_sync", "popen", "DDP with seed broadcast, exact gather support and clean teardown"),
         ("ddp_sync_spawn", "spawn", "ddp_sync started with torch.multiprocessing.spawn"),
+        # Lightning allows only fork-started strategies in Jupyter and other interactive sessions
+        ("ddp_sync_notebook", "fork", "ddp_sync for Jupyter notebooks (ranks forked, like ddp_notebook)"),
     )
     for name, start_method, description in entries:
         if name not in strategy_registry:

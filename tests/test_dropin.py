@@ -55,3 +55,47 @@ def test_ddp_sync_matches_ddp_feature_by_feature(tmp_path: Path) -> None:
         for step in ("validate", "test", "predict"):
             assert flat(a[step]["ok"]) == pytest.approx(flat(b[step]["ok"]), rel=1e-5), f"rank {rank} {step}"
     assert ddp[0]["resume"]["ok"]["epoch"] == 3
+
+
+USER_PROJECT = Path(__file__).parent / "scripts" / "user_project.py"
+
+
+def run_user_project(out: Path, strategy: str, *extra: str, timeout: int = 300) -> list[dict]:
+    out.mkdir(parents=True)
+    proc = subprocess.run(["timeout", "-k", "5", str(timeout), sys.executable, str(USER_PROJECT), "--out", str(out),
+                           "--strategy", strategy, *extra], capture_output=True, text=True, timeout=timeout + 20)
+    assert proc.returncode == 0, f"{strategy}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * (300 + 20) + 60)
+def test_a_users_project_with_lightnings_defaults_behaves_as_under_ddp_and_counts_exactly(tmp_path: Path) -> None:
+    """Tutorial-style code (progress bar, model summary, CSV logger, torchmetrics, checkpoints, early
+    stopping, LR monitor, accumulation, clipping), 101 validation and 77 test samples on 2 ranks."""
+    ddp = run_user_project(tmp_path / "ddp", "ddp")
+    sync = run_user_project(tmp_path / "ddp_sync", "ddp_sync")
+    for d, s in zip(ddp, sync):
+        assert d["error"] is None and s["error"] is None, (d, s)
+        # what ddp_sync promises not to change
+        for key in ("best", "global_step", "lr_logged", "gathered_shapes"):
+            assert s[key] == d[key], key
+        assert s["fit"].keys() == d["fit"].keys() and s["test"].keys() == d["test"].keys()
+        # what it changes: every sample once (Lightning's padded sampler repeats one in each)
+        assert d["fit"]["val_count"] == d["validate"]["val_count"] == 102 and d["test"]["test_count"] == 78
+        assert s["fit"]["val_count"] == s["validate"]["val_count"] == 101 and s["test"]["test_count"] == 77
+    # Lightning's "use devices=1 to evaluate each sample exactly once" is untrue under ddp_sync, and only it goes
+    padded = [w for w in ddp[0]["eval_warnings"] if "exactly once" in w or "Using `DistributedSampler`" in w]
+    assert len(padded) == 2, ddp[0]["eval_warnings"]  # validate and test
+    assert set(sync[0]["eval_warnings"]) == set(ddp[0]["eval_warnings"]) - set(padded), sync[0]["eval_warnings"]
+    assert sync[0]["predicted"] + sync[1]["predicted"] == 77 and ddp[0]["predicted"] + ddp[1]["predicted"] == 78
+    assert sync[0]["fit"] == sync[1]["fit"] and sync[0]["test"] == sync[1]["test"]
+
+    # self.all_gather of per-sample rows: under ddp_sync the last batches differ (51 and 50 samples), and
+    # every rank gets the same named error with the fix instead of gloo's abort and garbage
+    rows = run_user_project(tmp_path / "rows", "ddp_sync", "--gather-rows")
+    for report in rows:
+        assert report["error"]["type"] == "RankMismatchError", report
+        assert "self.all_gather: the tensor differs across ranks: rank 0 (3, 3) float32 on cpu, rank 1 (2, 3)" \
+               in report["error"]["message"]
+        assert "all_gather_uneven" in report["error"]["message"]

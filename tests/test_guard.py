@@ -430,3 +430,26 @@ def test_a_failed_watchdog_fails_the_run_instead_of_guarding_nothing() -> None:
     for text in _errors(run_ranks(_watchdog_dies, 2, timeout=60, expect_failure=True)):
         assert "the collective guard's watchdog failed (ZeroDivisionError" in text, text
     assert time.monotonic() - start < 30
+
+
+def _mismatched_shapes(rank: int, world: int, op: str) -> None:
+    with CollectiveGuard(timeout=30):
+        x = torch.ones(3 + rank, 2)  # e.g. the ranks' last batches: 3 and 4 rows
+        if op == "all_gather":
+            dist.all_gather([torch.empty(3 + rank, 2) for _ in range(world)], x)
+        elif op == "all_gather_into_tensor":
+            dist.all_gather_into_tensor(torch.empty(world * (3 + rank), 2), x)
+        elif op == "broadcast":
+            dist.broadcast(x, src=0)
+        else:
+            dist.all_reduce(x)
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_gather_into_tensor", "broadcast", "all_reduce"])
+def test_mismatched_shapes_raise_on_every_rank_before_any_data_moves(op: str) -> None:
+    """gloo would abort one rank ("Received data size doesn't match") and hand the other garbage."""
+    for text in _errors(run_ranks(_mismatched_shapes, 2, args=(op,), timeout=60, expect_failure=True)):
+        assert text.startswith("CollectiveMismatchError"), text
+        assert f"torch.distributed.{op}: the tensor differs across ranks: rank 0 (3, 2) float32 on cpu, rank 1 (4, 2) " \
+               "float32 on cpu" in text, text
+        assert "all_gather_uneven" in text

@@ -89,6 +89,20 @@ def test_pip_install_then_lsync_train_outside_the_repo(tmp_path: Path) -> None:
     for rank in (0, 1):  # both ranks ran the installed copy
         assert f"lightning_sync from {site}" in (summary_file.parent / f"rank{rank}.log").read_text()
 
+    # The resume promise needs no extra: a checkpoint written mid-epoch resumes to the exact batch and the
+    # same final weights with the default install (torchdata is a requirement, not an extra).
+    script = REPO / "tests" / "scripts" / "fit_resume.py"
+    run(python, script, "--out", tmp_path / "resume", "--plan", "full:2@full,stop:2:10:5@stop,resume:2:stop@resume",
+        cwd=outside, env=env, timeout=400)
+    steps = {tag: [json.loads((tmp_path / "resume" / tag / f"rank{r}.json").read_text())["steps"] for r in (0, 1)]
+             for tag in ("full", "stop", "resume")}
+    for r in (0, 1):
+        assert steps["stop"][r] == steps["full"][r][:10] and steps["resume"][r] == steps["full"][r][10:], r
+        import torch
+
+        full, resumed = (torch.load(tmp_path / "resume" / tag / f"rank{r}.pt") for tag in ("full", "resume"))
+        assert all(torch.equal(full[k], resumed[k]) for k in full), f"rank {r}: the final weights differ"
+
     # A dependency that really is optional: one message, before any rank starts, with an install
     # command that works from a clone.
     proc = run("lsync-train", "logger=tensorboard", f"hydra.run.dir={outside / 'tb'}", cwd=outside, env=env,

@@ -14,6 +14,9 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher as MultiProcessingLauncher,
+)
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
@@ -26,6 +29,7 @@ __all__ = [
     "TOUCH_POINTS",
     "PathLike",
     "StrategyRegistryType",
+    "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
     "attached_trainer",
     "check_can_spawn_children",
@@ -36,6 +40,9 @@ __all__ = [
     "index_batch_sampler",
     "install_step_flag_broadcast",
     "is_run_stage_barrier",
+    "PADDED_SAMPLER_WARNING",
+    "restore_warning",
+    "silence_padded_sampler_warning",
     "raise_sigterm_exception",
     "remove_step_flag_broadcast",
     "slurm_requeue_signal",
@@ -241,6 +248,39 @@ def slurm_requeue_signal(trainer: Any) -> int | None:
     return env.requeue_signal if env.requeue_signal is not None else int(signal.SIGUSR1)
 
 
+#: The start of Lightning's warning that its padded DistributedSampler evaluates some samples twice
+#: (``_DataConnector._resolve_sampler``, under validate/test): untrue under ddp_sync's exact evaluation.
+PADDED_SAMPLER_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\.(validate|test)\(\)`"
+
+
+def silence_padded_sampler_warning() -> Any:
+    """Filter out :data:`PADDED_SAMPLER_WARNING` (only that one); returns the filter for :func:`restore_warning`."""
+    import warnings
+
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+    warnings.filterwarnings("ignore", message=PADDED_SAMPLER_WARNING, category=PossibleUserWarning)
+    return warnings.filters[0]
+
+
+def restore_warning(entry: Any) -> None:
+    """Remove a filter :func:`silence_padded_sampler_warning` added (idempotent)."""
+    import warnings
+
+    if entry in warnings.filters:
+        warnings.filters.remove(entry)
+        warnings._filters_mutated()  # type: ignore[attr-defined]  # drop the cached decisions
+
+
+def _padded_warning_fits() -> bool:
+    import re
+
+    from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
+
+    source = inspect.getsource(_DataConnector._resolve_sampler)
+    return re.search(PADDED_SAMPLER_WARNING.replace("(validate|test)", r"{trainer_fn\.value}"), source) is not None
+
+
 def is_run_stage_barrier(name: str | None) -> bool:
     """Whether ``strategy.barrier(name)`` is the one ``Trainer._run_stage`` calls first, right after
     ``Trainer._run`` registered the signal handlers (SLURM's requeue handler among them)."""
@@ -353,6 +393,8 @@ def _result_metric_file_fits() -> bool:
 
 
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
+    TouchPoint("lightning.pytorch.trainer.connectors.data_connector._DataConnector._resolve_sampler (its warning "
+               "text)", "exact evaluation silences Lightning's 'evaluated exactly once' warning", _padded_warning_fits),
     TouchPoint("lightning.pytorch.strategies.DDPStrategy._get_process_group_backend",
                "NCCL flight recorder configured before the process group exists",
                lambda: callable(getattr(DDPStrategy(), "_get_process_group_backend", None))),
@@ -386,6 +428,11 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "Hydra launcher: the job ends when a rank dies", lambda: "child_processes" in _params(launch_process_observer)),
     TouchPoint("lightning.fabric.utilities.distributed._set_num_threads_if_needed", "Hydra launcher: threads per rank",
                lambda: "num_processes" in _params(set_num_threads_if_needed)),
+    TouchPoint("lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher (get_extra_results, "
+               "update_main_process_results)", "spawned/forked ranks hand the root seed back to the launching process",
+               lambda: all(callable(getattr(MultiProcessingLauncher, n, None))
+                           for n in ("get_extra_results", "update_main_process_results"))
+               and {"strategy", "start_method"} <= _params(MultiProcessingLauncher.__init__)),
     TouchPoint("lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher "
                "(_call_children_scripts, _check_can_spawn_children, procs)", "base class of HydraDDPLauncher",
                lambda: all(callable(getattr(SubprocessScriptLauncher, n, None))

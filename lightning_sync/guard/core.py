@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lightning_sync import collectives
 from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, default_store, flight_recorder_dump, rank_not_in_group
-from lightning_sync.errors import LightningSyncError
+from lightning_sync.errors import CollectiveMismatchError, LightningSyncError, RankMismatchError
 from lightning_sync.guard import report
 from lightning_sync.guard.callsite import CallSites
 from lightning_sync.guard.fingerprint import Fingerprint, Recorder
@@ -38,6 +38,8 @@ from lightning_sync.guard.watchdog import Monitor, StoreLostError, dump_stacks
 __all__ = ["CollectiveGuard"]
 
 _CLOSING = "end of guarded block"
+_LAYOUT_FIX = ("Pass tensors of one shape and dtype on every rank; for rows that differ in number per rank use "
+               "lightning_sync.collectives.all_gather_uneven (gathers) or pad to a common length first.")
 _generation = 0  # rank 0's count of installs (see install): keeps store keys apart
 _active: weakref.WeakSet[CollectiveGuard] = weakref.WeakSet()
 
@@ -241,8 +243,7 @@ class CollectiveGuard:
         self._monitor.start()
         self._interceptor = Interceptor(self)
         self._interceptor.install()
-        collectives._guard_hook = self._collectives_hook
-        collectives._guard_explain = self._collectives_mismatch
+        collectives.register_guard(self._collectives_hook, self._collectives_mismatch)
         _active.add(self)
 
     def install_if_real(self, context: Callable[[], str | None] | None = None) -> bool:
@@ -263,9 +264,7 @@ class CollectiveGuard:
         if self._interceptor is not None:
             self._interceptor.uninstall()
             self._interceptor = None
-        if collectives._guard_hook == self._collectives_hook:
-            collectives._guard_hook = None
-            collectives._guard_explain = None
+        collectives.unregister_guard(self._collectives_hook)
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
             monitor.leave()
@@ -353,6 +352,8 @@ class CollectiveGuard:
 
     def _collectives_hook(self, name: str, group: Any) -> int:
         """lightning_sync.collectives: record its call; the token goes into its metadata exchange."""
+        if self._depth:  # inside a guarded operation (its own fingerprint covers it): nested calls pass
+            return 0
         fp = self._record(name, "", group, sys._getframe(1))
         if fp is None:
             return 0
@@ -409,6 +410,23 @@ class CollectiveGuard:
         monitor.fail(error)
         monitor.picked_up = True
         return error
+
+    def _check_layout(self, name: str, tensor: Tensor, group: Any) -> None:
+        """Before a collective that needs one shape on every rank runs: compare the ranks' shapes and dtypes
+        (gloo aborts the process on a size mismatch, or returns garbage). Every rank raises the same error."""
+        self._depth += 1
+        try:
+            collectives.check_same_layout(tensor, f"torch.distributed.{name}", _LAYOUT_FIX, group=group)
+        except CollectiveMismatchError:
+            raise
+        except RankMismatchError as err:
+            error = CollectiveMismatchError(str(err), err.values)
+            if self._monitor is not None:
+                self._monitor.fail(error, post=False, stack=False, may_exit=False)
+                self._monitor.picked_up = True
+            raise error from None
+        finally:
+            self._depth -= 1
 
     def _reject_managed(self, tensor: Tensor, frame: Any) -> None:
         module = self._module() if self._module is not None else None

@@ -32,6 +32,10 @@ GUARDED_OPS = (
     "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
     "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
 )
+#: Of those, the ones whose tensor must have one shape on every rank: checked across ranks before they
+#: run (one small metadata exchange), since gloo aborts on a size mismatch or returns garbage.
+SAME_SHAPE_OPS = frozenset({"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast",
+                            "reduce", "reduce_scatter_tensor", "reduce_scatter_single"})
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (same arguments); both
 # names are intercepted, whichever the caller uses.
 # For each op: (position, keyword) of the tensor whose dtype and shape must match on every rank,
@@ -133,6 +137,7 @@ class Interceptor:
         guard = self.guard
         run = self.run
         checks_ddp = name == "all_reduce"
+        same_shape = name in SAME_SHAPE_OPS
         group_at = (_GROUP_AT.get(name, 99), "group")
 
         @functools.wraps(fn)
@@ -143,8 +148,11 @@ class Interceptor:
             match, tensor = match_of(name, args, kwargs)
             if checks_ddp and guard._module is not None and isinstance(tensor, Tensor):
                 guard._reject_managed(tensor, frame)
-            if guard._record(name, match, _arg(args, kwargs, group_at), frame) is None:
+            group = _arg(args, kwargs, group_at)
+            if guard._record(name, match, group, frame) is None:
                 return fn(*args, **kwargs)  # this rank is not in the group
+            if same_shape and isinstance(tensor, Tensor):
+                guard._check_layout(name, tensor, group)
             guard._depth += 1
             try:
                 return run(fn, name, args, kwargs)

@@ -247,12 +247,16 @@ class Monitor:
                 "(rank 0, or the launcher's agent) is gone, so the run cannot continue."), post=False, may_exit=False)
 
     def _maybe_exit(self) -> None:
-        if self._failure is None or self.picked_up or self._stop.is_set() or not self._may_exit:
+        # Raising the failure once is not enough: code that catches it and goes on (Lightning's per-step
+        # SIGTERM broadcast swallows any exception) walks into the next collective of a broken group. Until
+        # the guard is uninstalled (the failure reached on_exception / teardown), the grace runs.
+        if self._failure is None or self._stop.is_set() or not self._may_exit:
             return
         if time.monotonic() - self._failed_at > self.grace:
-            self._write(f"[lightning_sync guard] rank {self.exchange.rank}: the failure above was not picked up by "
-                        f"the training thread within {self.grace:g} s (it is blocked where Python cannot raise); "
-                        f"ending the process (exit code {_EXIT_CODE}).\n", True)
+            self._write(f"[lightning_sync guard] rank {self.exchange.rank}: the failure above did not end the run "
+                        f"within {self.grace:g} s (the training thread is blocked where Python cannot raise, or the "
+                        f"error was caught and training went on); ending the process (exit code {_EXIT_CODE}).\n",
+                        True)
             os._exit(_EXIT_CODE)
 
     # ---------------------------------------------------------------- diagnosis

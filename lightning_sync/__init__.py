@@ -1,8 +1,13 @@
 """lightning_sync: explicit, checked data synchronisation for PyTorch Lightning DDP.
 
 ``import lightning_sync`` registers the strategy names ``"ddp_sync"``, ``"ddp_sync_spawn"`` and
-``"ddp_sync_notebook"`` (Jupyter).
+``"ddp_sync_notebook"`` (Jupyter). ``lightning_sync.pl`` is the same API for the ``pytorch_lightning``
+package (its classes subclass ``pytorch_lightning``'s; ``lightning_sync._namespace`` builds it from
+these files); ``import lightning_sync`` imports it, registering the names in ``pytorch_lightning``'s
+registry too, when ``pytorch_lightning`` was imported first.
 """
+
+import sys as _sys
 
 from lightning.pytorch.strategies import StrategyRegistry as _strategy_registry
 
@@ -30,6 +35,12 @@ from lightning_sync.strategy import SyncDDPStrategy, register as _register
 _register(_strategy_registry)
 
 __version__ = "0.1.0"
+
+from lightning_sync import _namespace  # noqa: E402  (after the API it re-exports)
+
+_namespace.install()
+if "pytorch_lightning" in _sys.modules:  # a pytorch_lightning user: its Trainer gets the same names
+    import lightning_sync.pl  # noqa: E402, F401
 
 __all__ = [
     "CollectiveGuard",

@@ -99,3 +99,16 @@ def test_a_users_project_with_lightnings_defaults_behaves_as_under_ddp_and_count
         assert "self.all_gather: the tensor differs across ranks: rank 0 (3, 3) float32 on cpu, rank 1 (2, 3)" \
                in report["error"]["message"]
         assert "all_gather_uneven" in report["error"]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300 + 60)
+def test_the_same_project_under_pytorch_lightning_gives_the_same_numbers(tmp_path: Path) -> None:
+    """``import pytorch_lightning as pl`` projects: strategy="ddp_sync" resolves to lightning_sync.pl's class."""
+    ref = run_user_project(tmp_path / "lightning", "ddp_sync")
+    pl = run_user_project(tmp_path / "pl", "ddp_sync", "--namespace=pytorch_lightning")
+    for a, b in zip(ref, pl):
+        assert a["error"] is None and b["error"] is None, (a, b)
+        for key in ("fit", "validate", "test", "predicted", "best", "global_step", "gathered_shapes"):
+            assert a[key] == b[key], key
+    assert pl[0]["validate"]["val_count"] == 101 and pl[0]["test"]["test_count"] == 77

@@ -2,6 +2,7 @@
 model summary, logger), run under one strategy name on 2 CPU ranks; each rank writes OUT/rank{r}.json.
 
 python tests/scripts/user_project.py --out DIR --strategy ddp|ddp_sync [--gather-rows]
+    [--namespace=lightning|pytorch_lightning]
 
 torchmetrics Accuracy, a sync_dist loss, a sum-reduced sample count, ModelCheckpoint, EarlyStopping,
 LearningRateMonitor, CSVLogger, gradient accumulation and clipping, fit -> validate -> test -> predict,
@@ -14,19 +15,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 import torchmetrics
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_sync  # noqa: F401  (registers ddp_sync)
+if "--namespace=pytorch_lightning" in sys.argv:  # the standalone package, as older projects import it
+    import pytorch_lightning as L
+    from pytorch_lightning.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+    from pytorch_lightning.loggers import CSVLogger
+else:
+    import lightning as L
+    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+import lightning_sync  # noqa: F401, E402  (registers ddp_sync, in pytorch_lightning's registry too once imported)
 
 
 def blobs(n: int, seed: int) -> TensorDataset:
@@ -99,6 +107,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--strategy", required=True)
     p.add_argument("--gather-rows", action="store_true")
+    p.add_argument("--namespace", choices=["lightning", "pytorch_lightning"], default="lightning")
     args = p.parse_args()
     L.seed_everything(3, verbose=False)
     model = Classifier(gather_rows=args.gather_rows)

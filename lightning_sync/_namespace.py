@@ -1,0 +1,171 @@
+"""One source, two Lightning namespaces: ``lightning_sync.pl``, the build for ``pytorch_lightning``.
+
+``pytorch_lightning`` (the standalone package) ships Lightning's code under other module names
+(``pytorch_lightning``, ``lightning_fabric``), and its ``Trainer`` accepts only strategies and
+callbacks that subclass its own classes. So every module of lightning_sync that imports Lightning,
+directly or through another such module, is loaded a second time as ``lightning_sync.pl.<name>``,
+from the same file, with its imports rewritten in the syntax tree before it is compiled:
+
+* ``lightning`` / ``lightning.pytorch[.x]`` -> ``pytorch_lightning[.x]``, ``lightning.fabric[.x]`` ->
+  ``lightning_fabric[.x]``;
+* a Lightning-dependent ``lightning_sync.<name>`` -> ``lightning_sync.pl.<name>``.
+
+Modules that import no Lightning (``collectives``, ``errors``, ``guard``, ``batchnorm``, ``seeding``,
+...) are not copied: both builds share them, so there is one collective guard and one set of
+trusted callers per process. Nothing is generated on disk and no second copy of the code exists to
+keep in step; tracebacks point at the real files.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["PL_PACKAGE", "install", "lightning_dependent"]
+
+PACKAGE = "lightning_sync"
+PL_PACKAGE = "lightning_sync.pl"
+_ROOT = Path(__file__).parent
+
+
+@cache
+def _module_files() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its ``__init__.py``)."""
+    files: dict[str, Path] = {}
+    for path in sorted(_ROOT.rglob("*.py")):
+        parts = path.relative_to(_ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        files[".".join((PACKAGE, *parts))] = path
+    return files
+
+
+def _is_lightning(name: str) -> bool:
+    return name == "lightning" or name.startswith("lightning.")
+
+
+def _imported(tree: ast.AST, modules: dict[str, Path]) -> set[str]:
+    """The absolute module names a module imports, anywhere in it (function-level imports too)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from pkg import submodule` binds the submodule: it depends on that, not on pkg's __init__
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                names.add(sub if sub in modules else node.module)
+    return names
+
+
+@cache
+def lightning_dependent() -> frozenset[str]:
+    """The modules of lightning_sync that import Lightning, directly or through another of its modules."""
+    modules = _module_files()
+    imports = {name: _imported(ast.parse(path.read_text()), modules) for name, path in modules.items()}
+    dependent = {name for name, used in imports.items() if any(_is_lightning(u) for u in used)}
+    while True:
+        more = {name for name, used in imports.items() if name not in dependent and used & dependent}
+        if not more:
+            return frozenset(dependent)
+        dependent |= more
+
+
+def _target(name: str) -> str:
+    """Where an import of ``name`` goes in the pytorch_lightning build."""
+    if name == "lightning" or name == "lightning.pytorch":
+        return "pytorch_lightning"
+    if name.startswith("lightning.pytorch."):
+        return "pytorch_lightning." + name.removeprefix("lightning.pytorch.")
+    if name == "lightning.fabric" or name.startswith("lightning.fabric."):
+        return "lightning_fabric" + name.removeprefix("lightning.fabric")
+    if name in lightning_dependent():
+        return PL_PACKAGE + name.removeprefix(PACKAGE)
+    return name
+
+
+class _Rewrite(ast.NodeTransformer):
+    def visit_Import(self, node: ast.Import) -> ast.AST:
+        aliases = []
+        for alias in node.names:
+            target = _target(alias.name)
+            if target == alias.name:
+                aliases.append(alias)
+            elif alias.asname is not None or "." not in alias.name:
+                # `import lightning` binds `lightning`: keep that name for the module it now is
+                aliases.append(ast.alias(target, alias.asname or alias.name))
+            else:
+                raise ImportError(f"{PL_PACKAGE}: cannot rewrite `import {alias.name}` without `as` (line "
+                                  f"{node.lineno}); import it under a name")
+        return ast.copy_location(ast.Import(aliases), node)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> ast.AST | list[ast.stmt]:
+        if node.level or not node.module:
+            return node
+        if node.module != PACKAGE:
+            return ast.copy_location(ast.ImportFrom(_target(node.module), node.names, 0), node)
+        # `from lightning_sync import collectives, strategy`: each submodule where it lives in this build
+        moved = [a for a in node.names if f"{PACKAGE}.{a.name}" in lightning_dependent()]
+        kept = [a for a in node.names if a not in moved]
+        out: list[ast.stmt] = []
+        if kept:
+            out.append(ast.copy_location(ast.ImportFrom(PACKAGE, kept, 0), node))
+        if moved:
+            out.append(ast.copy_location(ast.ImportFrom(PL_PACKAGE, moved, 0), node))
+        return out
+
+
+class _Loader(importlib.abc.Loader):
+    """Runs ``source`` with its imports rewritten; ``source=None``: an empty package that only holds
+    Lightning-dependent submodules (``lightning_sync.pl._compat`` for ``_compat.lightning_api``)."""
+
+    def __init__(self, source: Path | None) -> None:
+        self.source = source
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        if self.source is None:
+            return
+        tree = _Rewrite().visit(ast.parse(self.source.read_text(), str(self.source)))
+        code = compile(ast.fix_missing_locations(tree), str(self.source), "exec")
+        module.__file__ = str(self.source)
+        exec(code, module.__dict__)  # noqa: S102 - the package's own file, imports rewritten
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != PL_PACKAGE and not fullname.startswith(PL_PACKAGE + "."):
+            return None
+        original = PACKAGE + fullname.removeprefix(PL_PACKAGE)
+        source = _module_files().get(original)
+        if source is None:
+            return None
+        package = source.name == "__init__.py"
+        if original not in lightning_dependent():
+            if not (package and any(m.startswith(original + ".") for m in lightning_dependent())):
+                return None
+            source = None  # only a parent of rewritten modules
+        spec = importlib.util.spec_from_loader(fullname, _Loader(source), origin=str(source) if source else None,
+                                               is_package=package)
+        if spec is not None and package:
+            spec.submodule_search_locations = []  # submodules come from this finder
+        return spec
+
+
+_FINDER = _Finder()
+
+
+def install() -> None:
+    """Make ``import lightning_sync.pl`` (and its submodules) work (idempotent)."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _FINDER)

@@ -56,7 +56,7 @@ def hydra_active() -> bool:
         return False
     if not HydraConfig.initialized():
         return False
-    runtime = HydraConfig.get().get("runtime")
+    runtime: Any = getattr(HydraConfig.get(), "runtime", None)
     return runtime is not None and not OmegaConf.is_missing(runtime, "output_dir") and bool(runtime.output_dir)
 
 

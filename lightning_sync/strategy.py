@@ -324,9 +324,10 @@ class SyncDDPStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:  # compat: Lightning's launcher hook (_compat.TOUCH_POINTS)
         super()._configure_launcher()
-        if _compat.start_method(self) in ("spawn", "fork", "forkserver"):
+        method = _compat.start_method(self)
+        if method in ("spawn", "fork", "forkserver"):
             # the ranks run in child processes: bring rank 0's seed lineage back with its results
-            _compat.set_launcher(self, _LineageReturningLauncher(self, start_method=_compat.start_method(self)))
+            _compat.set_launcher(self, _LineageReturningLauncher(self, start_method=method))  # type: ignore[arg-type]
         if _compat.start_method(self) == "popen":  # under Hydra: ranks replay only their job (launcher.py)
             from lightning_sync.launcher import HydraDDPLauncher, hydra_active
 
@@ -410,7 +411,7 @@ class SyncDDPStrategy(DDPStrategy):
         register(strategy_registry)
 
 
-class _LineageReturningLauncher(_compat.MultiProcessingLauncher):  # type: ignore[misc]
+class _LineageReturningLauncher(_compat.MultiProcessingLauncher):
     """Lightning's launcher for spawned and forked ranks (notebooks), which also hands rank 0's seed lineage
     back to the launching process, so ``trainer.strategy.seed`` is the run's root seed there too."""
 

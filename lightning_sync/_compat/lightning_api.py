@@ -267,8 +267,9 @@ def restore_warning(entry: Any) -> None:
     """Remove a filter :func:`silence_padded_sampler_warning` added (idempotent)."""
     import warnings
 
-    if entry in warnings.filters:
-        warnings.filters.remove(entry)
+    filters: list[Any] = warnings.filters  # type: ignore[assignment]  # a list at run time
+    if entry in filters:
+        filters.remove(entry)
         warnings._filters_mutated()  # type: ignore[attr-defined]  # drop the cached decisions
 
 

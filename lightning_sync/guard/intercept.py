@@ -189,7 +189,13 @@ class Interceptor:
                     return None
                 except RuntimeError as err:
                     if work.is_completed():
-                        raise guard._explain(err)
+                        # it may have completed between the slice's timeout and this check: a second wait
+                        # returns at once, or raises the collective's real error
+                        try:
+                            work.wait(poll)
+                            return None
+                        except RuntimeError as real:
+                            raise guard._explain(real) from err
                 failure = guard._failure()
                 if failure is not None:
                     group = _arg(args, kwargs, (_GROUP_AT.get(name, 99), "group"))

@@ -109,6 +109,7 @@ class SyncDDPStrategy(DDPStrategy):
         self._resume = ResumeHooks()
         self._requeue = DeferredRequeue()  # SLURM's requeue signal handled at a step boundary
         self._quiet_warning: Any = None
+        self._group_seen: Any = None  # the process group of this strategy's last set-up (kept across calls)
 
     @property
     def seed(self) -> int | None:
@@ -140,12 +141,20 @@ class SyncDDPStrategy(DDPStrategy):
             configure_nccl_flight_recorder()  # read by NCCL at process-group creation: set it first
         init_process_group_after_restart(_compat.process_group_backend(self), _compat.process_group_timeout(self),
                                          self.root_device if self.root_device.type != "cpu" else None)
+        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         super().setup_distributed()
-        self._peers = gather_peers()  # host and address per rank: names a lost peer (on_exception)
+        # The same process group as this strategy's last call (kept across fit/validate/test/predict):
+        # the ranks' hosts and the root seed were agreed on it already.
+        same_group = group is not None and group is self._group_seen and self._lineage is not None
+        self._group_seen = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if not same_group:
+            self._peers = gather_peers()  # host and address per rank: names a lost peer (on_exception)
         if self._guard is not None and not self._guard.install_if_real(
                 context=lambda: _compat.current_hook_name(self.lightning_module)):
             self._guard = None
         self._failed = False
+        if same_group:
+            return
         # One root seed for the strategy's life: fit, then validate/test/predict (or a second fit) keep it
         previous = self._lineage
         lineage = SeedLineage.agree(self._seed_arg if previous is None else previous.root)
@@ -381,26 +390,44 @@ class SyncDDPStrategy(DDPStrategy):
         _compat.restore_warning(self._quiet_warning)
         self._quiet_warning = None
         super().teardown()  # unwraps DDP, reverts layer sync, moves the model to CPU
-        # Free DDP's reducer before the process group goes: destroying them in the wrong order at
-        # interpreter exit is what makes gloo processes SIGABRT ("terminate called without an
-        # active exception") after a successful run.
-        gc.collect()
         if dist.is_available() and dist.is_initialized():
             env = self.cluster_environment
             assert env is not None
+            keep = self._keeps_process_group()
+            if not keep or self._failed:
+                # Free DDP's reducer before the process group goes: destroying them in the wrong order at
+                # interpreter exit is what makes gloo processes SIGABRT ("terminate called without an
+                # active exception") after a successful run. (destroy_at_exit does it for a kept group.)
+                gc.collect()
             try:
                 if not self._failed:
                     if self._guard is not None:
                         # the run's last collectives were compared after they ran: a mismatch among them
                         # (ranks that synced different metrics at the last epoch end) is raised here
                         self._guard.closing_check()
-                    dist.barrier()  # nobody destroys the group while a peer still uses it
+                    if not keep:
+                        dist.barrier()  # nobody destroys the group while a peer still uses it
             except BaseException:
                 self._failed = True
                 raise
             finally:
                 self._end_guard()
-                destroy_default_group(env.main_address, env.main_port)
+                if keep and not self._failed:
+                    # The next validate/test/predict/fit of this process reuses the group, as under Lightning's
+                    # ddp; it is destroyed cleanly (barrier first) when the interpreter exits.
+                    destroy_at_exit()
+                else:
+                    destroy_default_group(env.main_address, env.main_port)
+
+    def _keeps_process_group(self) -> bool:
+        """Whether the process group outlives this trainer call: yes for ranks that live on (Lightning's
+        subprocess launcher, torchrun, SLURM); no for spawned/forked ranks (they end with the call) and
+        under the Hydra launcher (every job of a sweep gets fresh ranks and its own group)."""
+        if _compat.start_method(self) != "popen":
+            return False
+        from lightning_sync.launcher import HydraDDPLauncher
+
+        return not isinstance(self.launcher, HydraDDPLauncher)
 
     # ------------------------------------------------------------------ registry
 
@@ -427,6 +454,39 @@ class _LineageReturningLauncher(_compat.MultiProcessingLauncher):
         root = extra.get("lightning_sync_root_seed")
         if root is not None and isinstance(trainer.strategy, SyncDDPStrategy):
             trainer.strategy._adopt_root(int(root))
+
+
+_exit_hook_registered = False
+
+
+def destroy_at_exit(timeout: float = 60.0) -> None:
+    """At interpreter exit: free what still holds the default group, wait for every rank (at most
+    ``timeout`` s), then destroy it. Registered once per process (idempotent).
+
+    Destroying gloo's group (and DDP's reducer) in the interpreter's own shutdown order is what makes
+    processes abort after a successful run ("terminate called without an active exception"); a rank
+    that crashed meanwhile makes the others wait ``timeout`` s, then exit without the barrier.
+    """
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    _exit_hook_registered = True
+    import atexit
+    from datetime import timedelta
+
+    def destroy() -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        gc.collect()
+        try:
+            work = dist.barrier(async_op=True)
+            if work is not None:
+                work.wait(timedelta(seconds=timeout))
+        except RuntimeError:  # a peer is gone: destroying could block until the group's own timeout
+            return
+        dist.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def destroy_default_group(main_address: str, main_port: int, wait: float = 3.0) -> None:

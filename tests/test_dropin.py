@@ -88,7 +88,8 @@ def test_a_users_project_with_lightnings_defaults_behaves_as_under_ddp_and_count
     padded = [w for w in ddp[0]["eval_warnings"] if "exactly once" in w or "Using `DistributedSampler`" in w]
     assert len(padded) == 2, ddp[0]["eval_warnings"]  # validate and test
     assert set(sync[0]["eval_warnings"]) == set(ddp[0]["eval_warnings"]) - set(padded), sync[0]["eval_warnings"]
-    assert sync[0]["predicted"] + sync[1]["predicted"] == 77 and ddp[0]["predicted"] + ddp[1]["predicted"] == 78
+    # predict: Lightning's own sampler does not pad there; both give every sample once
+    assert sync[0]["predicted"] + sync[1]["predicted"] == 77 == ddp[0]["predicted"] + ddp[1]["predicted"]
     assert sync[0]["fit"] == sync[1]["fit"] and sync[0]["test"] == sync[1]["test"]
 
     # self.all_gather of per-sample rows: under ddp_sync the last batches differ (51 and 50 samples), and

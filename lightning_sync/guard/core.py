@@ -302,8 +302,13 @@ class CollectiveGuard:
         if fp is None or monitor is None or recorder is None or monitor.exchange.neighbour(self._stream) is None:
             return
         previous = recorder.enter(self._stream)
+        woken = 0.0
         try:
             while True:
+                now = time.monotonic()
+                if now - woken > 0.01:  # a turn every 10 ms while waiting, not every interval
+                    monitor.wake()
+                    woken = now
                 failure = monitor.failure
                 if isinstance(failure, StoreLostError) and op == _CLOSING:
                     # The rank hosting the store verified this rank's sequence and left first (its

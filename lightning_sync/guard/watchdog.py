@@ -86,6 +86,7 @@ class Monitor:
         self._may_exit = True
         self.picked_up = False
         self._stop = threading.Event()
+        self._wake = threading.Event()  # an early turn (a closing check waiting for its confirmation)
         self._thread: threading.Thread | None = None
         self._paused = False
         self._dumped_for: float | None = None
@@ -119,8 +120,13 @@ class Monitor:
         self._thread = _WatchdogThread(self)
         self._thread.start()
 
+    def wake(self) -> None:
+        """Run the next turn now instead of after ``interval`` (from any thread)."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         thread = self._thread
         self._thread = None
         if thread is not None and thread is not threading.current_thread():
@@ -155,7 +161,11 @@ class Monitor:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while True:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             if self.group_alive is not None and not self.group_alive():
                 # Whoever destroyed the process group ended the run without tearing the guard down
                 # (a strategy set up and dropped, a test harness): stop guarding instead of lingering.

@@ -19,3 +19,26 @@ def pytest_configure(config: Any) -> None:
                               override=True, start_method="popen")
     # Lightning's launcher re-runs `python -m pytest ...` for rank 1 (standalone tests): it loads
     # this plugin too, so both ranks use the same strategy.
+
+
+def _serve_every_ddp_name() -> None:
+    """LSYNC_AS_DDP=all: every DDP registry name and the DDPStrategy class itself served by SyncDDPStrategy
+    (tests that build ``DDPStrategy(...)`` directly import it from ``lightning.pytorch.strategies``)."""
+    import lightning.pytorch.strategies as strategies
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_sync import SyncDDPStrategy
+
+    for name in [n for n in StrategyRegistry.available_strategies() if n.startswith("ddp") and "sync" not in n]:
+        entry = StrategyRegistry[name]
+        if entry["strategy"] is strategies.DDPStrategy:
+            StrategyRegistry.register(name, SyncDDPStrategy, description=f"{name} served by SyncDDPStrategy",
+                                      override=True, **entry["init_params"])
+    strategies.DDPStrategy = SyncDDPStrategy  # type: ignore[misc]
+
+
+def pytest_sessionstart(session: Any) -> None:
+    import os
+
+    if os.environ.get("LSYNC_AS_DDP") == "all":
+        _serve_every_ddp_name()

@@ -35,6 +35,19 @@ if [ "$mode" = all ] || [ "$mode" = sync ]; then
   "$PY" -m pytest "${FILES[@]}" "${common[@]}" -rfE -p lsync_as_ddp >"$WORK/ddp_sync.log" 2>&1 || true
   tail -n 3 "$WORK/ddp_sync.log"
 fi
+if [ "$mode" = folders ] || [ "$mode" = folders_sync ]; then
+  # Four whole folders, with every DDP registry name and the DDPStrategy class served by SyncDDPStrategy
+  # (LSYNC_AS_DDP=all); "folders" runs Lightning's own DDP over them first, for the counts to compare.
+  FOLDERS=(trainer/logging_ loops callbacks checkpointing)
+  if [ "$mode" = folders ]; then
+    echo "== Lightning $TAG, ${FOLDERS[*]}, Lightning's DDPStrategy"
+    "$PY" -m pytest "${FOLDERS[@]}" "${common[@]}" -rfE >"$WORK/folders_ddp.log" 2>&1 || true
+    tail -n 3 "$WORK/folders_ddp.log"
+  fi
+  echo "== Lightning $TAG, ${FOLDERS[*]}, every DDP name and DDPStrategy = lightning_sync.SyncDDPStrategy"
+  LSYNC_AS_DDP=all "$PY" -m pytest "${FOLDERS[@]}" "${common[@]}" -rfE -p lsync_as_ddp >"$WORK/folders_sync.log" 2>&1 || true
+  tail -n 3 "$WORK/folders_sync.log"
+fi
 if [ "$mode" = all ] || [ "$mode" = standalone ]; then
   # Each standalone test in its own pytest process (Lightning's launcher re-runs the command line
   # for rank 1), as Lightning's CI runs them.

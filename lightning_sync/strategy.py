@@ -109,7 +109,7 @@ class SyncDDPStrategy(DDPStrategy):
         self._resume = ResumeHooks()
         self._requeue = DeferredRequeue()  # SLURM's requeue signal handled at a step boundary
         self._quiet_warning: Any = None
-        self._group_seen: Any = None  # the process group of this strategy's last set-up (kept across calls)
+        self._kept_group = False  # its last teardown kept the process group for the next call
 
     @property
     def seed(self) -> int | None:
@@ -141,12 +141,13 @@ class SyncDDPStrategy(DDPStrategy):
             configure_nccl_flight_recorder()  # read by NCCL at process-group creation: set it first
         init_process_group_after_restart(_compat.process_group_backend(self), _compat.process_group_timeout(self),
                                          self.root_device if self.root_device.type != "cpu" else None)
-        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        existed = dist.is_available() and dist.is_initialized()
         super().setup_distributed()
-        # The same process group as this strategy's last call (kept across fit/validate/test/predict):
-        # the ranks' hosts and the root seed were agreed on it already.
-        same_group = group is not None and group is self._group_seen and self._lineage is not None
-        self._group_seen = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        # The group this strategy kept at its last teardown (fit, then validate/test/predict): the ranks'
+        # hosts and the root seed were agreed on it already. (No reference to the group object is held:
+        # it would keep a destroyed group's store serving stale rendezvous keys on MASTER_PORT.)
+        same_group = existed and self._kept_group and self._lineage is not None
+        self._kept_group = False
         if not same_group:
             self._peers = gather_peers()  # host and address per rank: names a lost peer (on_exception)
         if self._guard is not None and not self._guard.install_if_real(
@@ -415,6 +416,7 @@ class SyncDDPStrategy(DDPStrategy):
                 if keep and not self._failed:
                     # The next validate/test/predict/fit of this process reuses the group, as under Lightning's
                     # ddp; it is destroyed cleanly (barrier first) when the interpreter exits.
+                    self._kept_group = True
                     destroy_at_exit()
                 else:
                     destroy_default_group(env.main_address, env.main_port)

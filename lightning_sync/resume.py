@@ -587,10 +587,12 @@ def install_auto_resume(launcher: Any, directories: Any) -> None:
     """
     import inspect
 
+    from lightning_sync._compat.lightning_api import FIT_IMPL_NAME
+
     inner = launcher.launch
 
     def launch(function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        if trainer is not None and getattr(function, "__name__", "") == "_fit_impl":
+        if trainer is not None and getattr(function, "__name__", "") == FIT_IMPL_NAME:
             bound = inspect.signature(function).bind(*args, **kwargs)
             if bound.arguments.get("ckpt_path") is None:
                 dirs = directories(trainer)

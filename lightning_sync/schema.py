@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lightning_sync._compat.omegaconf_api import unresolved_value
+
 __all__ = ["DigitsCNNConfig", "DigitsDataConfig", "JobConfig", "Problem", "TrainerConfig", "import_problem",
            "problems"]
 
@@ -320,8 +322,7 @@ def _node_problems(key: str, node: DictConfig) -> Iterator[Problem]:
 
 
 def _shown(node: DictConfig, name: str) -> Any:
-    value = node._get_node(name)
-    return value._value() if value is not None and hasattr(value, "_value") else value  # unresolved
+    return unresolved_value(node, name)
 
 
 def _nested(key: str, node: DictConfig | ListConfig) -> Iterator[Problem]:

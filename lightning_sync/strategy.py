@@ -196,7 +196,7 @@ class SyncDDPStrategy(DDPStrategy):
         if self._guard is not None:
             from lightning_sync.callbacks.consistency import warn_if_initial_parameters_differ
 
-            warn_if_initial_parameters_differ(self.model, self._ddp_kwargs)  # only what DDP will not overwrite
+            warn_if_initial_parameters_differ(self.model, _compat.ddp_kwargs(self))  # only what DDP will not overwrite
         super().configure_ddp()
         if self._guard is not None and self.model is not None:
             self._guard.watch_module(self.model)
@@ -299,17 +299,17 @@ class SyncDDPStrategy(DDPStrategy):
     def checkpoint_io(self) -> Any:
         # Lightning's default stages the file in $TMPDIR and moves it into place: not atomic across
         # file systems. Ours writes beside the target and renames (lightning_sync.checkpoint_io).
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        else:
-            wrapper: Any = self._checkpoint_io  # AsyncCheckpointIO and friends wrap another IO, maybe not set yet
-            if hasattr(type(wrapper), "checkpoint_io") and wrapper.checkpoint_io is None:
-                wrapper.checkpoint_io = AtomicCheckpointIO()
-        return self._checkpoint_io
+        io = _compat.own_checkpoint_io(self)
+        if io is None:
+            io = AtomicCheckpointIO()
+            _compat.set_own_checkpoint_io(self, io)
+        elif hasattr(type(io), "checkpoint_io") and io.checkpoint_io is None:
+            io.checkpoint_io = AtomicCheckpointIO()  # AsyncCheckpointIO and friends wrap another IO, maybe not set yet
+        return io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:
-        self._checkpoint_io = io
+        _compat.set_own_checkpoint_io(self, io)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None) -> None:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sync._compat import TouchPoint, UpstreamChangedError, lightning_api, torch_api
+from lightning_sync._compat import TouchPoint, UpstreamChangedError, lightning_api, omegaconf_api, torch_api
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_sync"
 
-TOUCH_POINTS = [*lightning_api.TOUCH_POINTS, *torch_api.TOUCH_POINTS]
+TOUCH_POINTS = [*lightning_api.TOUCH_POINTS, *torch_api.TOUCH_POINTS, *omegaconf_api.TOUCH_POINTS]
 
 
 @pytest.mark.parametrize("touch_point", TOUCH_POINTS, ids=[t.name.split(" ")[0] for t in TOUCH_POINTS])
@@ -42,11 +42,13 @@ UPSTREAM_PRIVATE = [
     "_start_method", "_launch_process_observer", "_set_num_threads_if_needed", "_SubprocessScriptLauncher",
     "_check_can_spawn_children", "_combined_loader", "_results", "_IndexBatchSamplerWrapper",
     "_BatchNorm", "_ddp_params_and_buffers_to_ignore", "_world", "_lightning_module",
+    "_ddp_kwargs", "_checkpoint_io", "_fit_impl",
 ]
 GENERIC = [r"from (lightning|torch|pytorch_lightning)[\w.]* import [^#\n]*\b_[A-Za-z]",
            r"\b(lightning|torch)(\.[a-z]\w*)*\._[a-z]\w*",
            r"\b(dist|c10d|distributed_c10d)\._[a-z]\w*",  # through the usual aliases of torch.distributed
-           r"\btorch\._C\b"]
+           r"\btorch\._C\b",
+           r"\._get_node\(", r"\._value\(\)"]  # OmegaConf's node API
 
 # Files that must keep a private upstream name outside _compat, and why.
 ALLOWED = {

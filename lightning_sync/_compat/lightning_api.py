@@ -36,7 +36,11 @@ __all__ = [
     "checkpoint_io_load_kwargs",
 
 
+    "FIT_IMPL_NAME",
     "dataloader_with_batch_sampler",
+    "ddp_kwargs",
+    "own_checkpoint_io",
+    "set_own_checkpoint_io",
     "index_batch_sampler",
     "install_step_flag_broadcast",
     "is_run_stage_barrier",
@@ -107,6 +111,32 @@ def set_layer_sync(strategy: DDPStrategy, plugin: Any) -> None:
 def start_method(strategy: DDPStrategy) -> str:
     """``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``."""
     return str(strategy._start_method)
+
+
+def ddp_kwargs(strategy: DDPStrategy) -> dict[str, Any]:
+    """The keyword arguments the strategy passes to ``DistributedDataParallel``."""
+    return dict(getattr(strategy, "_ddp_kwargs", {}) or {})
+
+
+def own_checkpoint_io(strategy: Any) -> Any:
+    """The ``CheckpointIO`` plugin set on the strategy (None: Lightning would build its default)."""
+    return strategy._checkpoint_io
+
+
+def set_own_checkpoint_io(strategy: Any, io: Any) -> None:
+    strategy._checkpoint_io = io
+
+
+#: The name of Trainer's ``fit`` body, which Lightning's launcher runs (``launcher.launch(trainer._fit_impl, ...)``).
+FIT_IMPL_NAME = "_fit_impl"
+
+
+def _fit_impl_fits() -> bool:
+    from lightning.pytorch import Trainer
+
+    fit = inspect.getsource(Trainer.fit)
+    return callable(getattr(Trainer, FIT_IMPL_NAME, None)) and f"self.{FIT_IMPL_NAME}" in fit \
+        and "ckpt_path" in _params(getattr(Trainer, FIT_IMPL_NAME))
 
 
 def set_launcher(strategy: DDPStrategy, launcher: Any) -> None:
@@ -394,6 +424,12 @@ def _result_metric_file_fits() -> bool:
 
 
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
+    TouchPoint("lightning.pytorch.strategies.DDPStrategy._ddp_kwargs", "initial-parameter check: what DDP will not "
+               "overwrite", lambda: isinstance(getattr(DDPStrategy(), "_ddp_kwargs", None), dict)),
+    TouchPoint("lightning.pytorch.strategies.Strategy._checkpoint_io", "the atomic CheckpointIO as the default",
+               lambda: hasattr(DDPStrategy(), "_checkpoint_io")),
+    TouchPoint("lightning.pytorch.Trainer._fit_impl", "resume='auto': the launched fit without ckpt_path",
+               _fit_impl_fits),
     TouchPoint("lightning.pytorch.trainer.connectors.data_connector._DataConnector._resolve_sampler (its warning "
                "text)", "exact evaluation silences Lightning's 'evaluated exactly once' warning", _padded_warning_fits),
     TouchPoint("lightning.pytorch.strategies.DDPStrategy._get_process_group_backend",

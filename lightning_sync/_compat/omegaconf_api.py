@@ -19,7 +19,7 @@ def _node_api_fits() -> bool:
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create({"a": 1, "b": "${a}"})
-    return unresolved_value(cfg, "b") == "${a}" and unresolved_value(cfg, "a") == 1
+    return bool(unresolved_value(cfg, "b") == "${a}" and unresolved_value(cfg, "a") == 1)
 
 
 TOUCH_POINTS: tuple[TouchPoint, ...] = (

@@ -39,6 +39,9 @@ if [ "$mode" = folders ] || [ "$mode" = folders_sync ]; then
   # Four whole folders, with every DDP registry name and the DDPStrategy class served by SyncDDPStrategy
   # (LSYNC_AS_DDP=all); "folders" runs Lightning's own DDP over them first, for the counts to compare.
   FOLDERS=(trainer/logging_ loops callbacks checkpointing)
+  # not collectable here: the `flaky` marker needs pytest-rerunfailures, the legacy checkpoints a download
+  common+=(--ignore=callbacks/test_spike.py --ignore=callbacks/test_stochastic_weight_avg.py
+           --ignore=checkpointing/test_legacy_checkpoints.py)
   if [ "$mode" = folders ]; then
     echo "== Lightning $TAG, ${FOLDERS[*]}, Lightning's DDPStrategy"
     "$PY" -m pytest "${FOLDERS[@]}" "${common[@]}" -rfE >"$WORK/folders_ddp.log" 2>&1 || true

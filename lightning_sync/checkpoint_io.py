@@ -72,7 +72,7 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def atomic_save(obj: Any, path: PathLike, save: Callable[[Any, Any], None] = torch.save) -> None:
+def atomic_save(obj: Any, path: PathLike, save: Callable[[Any, Any], None] | None = None) -> None:
     """Write ``obj`` to the local file ``path`` atomically: temporary file beside it, fsync, rename.
 
     Args:
@@ -89,7 +89,7 @@ def atomic_save(obj: Any, path: PathLike, save: Callable[[Any, Any], None] = tor
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.{owner}.", suffix=_TMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            save(obj, f)
+            (save or torch.save)(obj, f)  # torch.save looked up now: a wrapped or patched one is honoured
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; a checkpoint gets the usual mode

@@ -305,3 +305,27 @@ def test_bad_configs_fail_fast_with_the_fix_and_help_works(tmp_path: Path) -> No
                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert piped.stdout.startswith("lsync-train: the lightning_sync main job"), piped.stdout
     assert "Error" not in piped.stderr and "Traceback" not in piped.stderr, piped.stderr
+
+
+def test_compose_api_config_is_not_a_hydra_job() -> None:
+    """Hydra's compose API + ``HydraConfig().set_config`` (lightning-hydra-template's tests): no job
+    directory to replay, so Lightning's own launcher starts the ranks, as under ``ddp``."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from lightning_sync.launcher import hydra_active
+
+    with initialize_config_module(config_module="lightning_sync.conf", version_base="1.3"):
+        cfg = compose("train", overrides=["run_dir=/tmp/x"], return_hydra_config=True)
+    try:
+        HydraConfig().set_config(cfg)
+        assert HydraConfig.initialized() and not hydra_active()
+        from omegaconf import OmegaConf
+
+        OmegaConf.set_readonly(cfg.hydra, False)
+        with open_dict(cfg):
+            cfg.hydra.runtime.output_dir = "/tmp/x"  # what @hydra.main sets for a job
+        HydraConfig().set_config(cfg)
+        assert hydra_active()
+    finally:
+        HydraConfig.instance().cfg = None  # type: ignore[assignment]

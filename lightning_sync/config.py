@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,6 +101,12 @@ def check_config(cfg: DictConfig, *, this_machine: bool = True) -> None:
               "trainer=cpu for one process without DDP")
     if not isinstance(num_nodes, int) or num_nodes < 1:
         _fail("trainer.num_nodes", num_nodes, "must be an integer >= 1", "trainer.num_nodes=1")
+    if bool(t.get("sync_batchnorm", False)) and on_cpu and ddp and not _portable_syncbn(strategy):
+        shown = strategy if isinstance(strategy, str) else strategy.get("_target_")
+        _fail("trainer.strategy", shown, "with trainer.sync_batchnorm=true on CPU this strategy converts BatchNorm to "
+              "torch.nn.SyncBatchNorm, which runs on CUDA only (both processes would start, then fail with "
+              "'SyncBatchNorm layers only work with GPU modules')",
+              "trainer.strategy=ddp_sync (its SyncBatchNorm runs on gloo), or trainer.sync_batchnorm=false")
     if not this_machine:
         return
     if accel in ("gpu", "cuda") and not torch.cuda.is_available():
@@ -134,6 +141,53 @@ class CheckConfig(Callback):
         # submitit_slurm runs the jobs on the cluster's nodes, not here: their GPUs and SLURM
         # environment are checked when each job starts.
         _check_or_exit(config, this_machine=not str(launcher).endswith("SlurmLauncher"))
+
+
+def _portable_syncbn(strategy: Any) -> bool:
+    """Whether the strategy converts BatchNorm to lightning_sync's portable SyncBatchNorm (CPU/gloo too)."""
+    if isinstance(strategy, str):
+        return strategy.startswith("ddp_sync")
+    return str(strategy.get("_target_", "")).endswith("SyncDDPStrategy")
+
+
+def unknown_override(args: list[str]) -> str | None:
+    """The first command-line override ``a.b=value`` whose key the composed config lacks, as a config error
+    with the nearest existing key (None: every key exists, or the command is one Hydra should judge).
+
+    Hydra's own message for such a typo ("Key 'lrr' is not in struct ... To append to your config use
+    +model.lrr=...") suggests adding the key, which is never the fix here.
+    """
+    import difflib
+
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in args):
+        return None  # --help, --cfg, --config-name ...: Hydra's
+    conf = Path(__file__).parent / "conf"
+    overrides = [a for a in args if "=" in a and not a.startswith(("+", "~", "hydra", "-"))]
+    is_group = [(conf / a.split("=", 1)[0]).is_dir() for a in overrides]
+    groups = [a.split(",", 1)[0] for a, g in zip(overrides, is_group) if g]  # a sweep: its first choice
+    try:
+        with initialize_config_module("lightning_sync.conf", version_base="1.3"):
+            cfg = compose("train", overrides=groups)
+    except Exception:  # noqa: BLE001 - a bad group choice: Hydra's error lists the options
+        return None
+    for arg, group in zip(overrides, is_group):
+        key = arg.split("=", 1)[0]
+        if group or "/" in key:
+            continue
+        prefix, _, last = key.rpartition(".")
+        parent = OmegaConf.select(cfg, prefix) if prefix else cfg
+        if not isinstance(parent, DictConfig) or last in parent:
+            continue
+        options = [str(k) for k in parent.keys()]
+        near = difflib.get_close_matches(last, options, n=1)
+        where = f"{prefix}." if prefix else ""
+        hint = (f"did you mean {where}{near[0]}? Fix: {where}{near[0]}={arg.split('=', 1)[1]}" if near else
+                f"the keys there are {', '.join(sorted(options))}")
+        return f"{key}: no such key in the config ({hint}). `lsync-train --cfg job` prints the composed config."
+    return None
 
 
 def _check_or_exit(config: DictConfig, this_machine: bool = True) -> None:

@@ -29,7 +29,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_sync as ls
-from lightning_sync.config import ConfigError, check_config, global_rank
+from lightning_sync.config import ConfigError, check_config, global_rank, unknown_override
 from lightning_sync.launcher import ENTRY_MODULE_ENV, finish_job
 
 log = logging.getLogger("lightning_sync.train")
@@ -115,6 +115,9 @@ _hydra_main = hydra.main(version_base="1.3", config_path="conf", config_name="tr
 def main() -> Any:
     """Console script ``lsync-train``; every Hydra command-line option works."""
     os.environ.setdefault(ENTRY_MODULE_ENV, "lightning_sync.train")  # how rank > 0 restarts this job
+    problem = unknown_override(sys.argv[1:]) if global_rank() == 0 else None
+    if problem is not None:  # a mistyped key: the project's config error, before Hydra makes a run directory
+        raise SystemExit(f"lsync-train: config error: {problem}")
     try:
         result = _hydra_main()
         sys.stdout.flush()

@@ -329,3 +329,32 @@ def test_compose_api_config_is_not_a_hydra_job() -> None:
         assert hydra_active()
     finally:
         HydraConfig.instance().cfg = None  # type: ignore[assignment]
+
+
+def test_lightnings_ddp_with_sync_batchnorm_on_cpu_is_refused_before_any_process() -> None:
+    with initialize_config_module("lightning_sync.conf", version_base="1.3"):
+        cfg = compose("train", overrides=["trainer.strategy=ddp", "run_dir=/tmp/x"])
+    with pytest.raises(ConfigError, match="Fix: trainer.strategy=ddp_sync") as err:
+        check_config(cfg)
+    assert "torch.nn.SyncBatchNorm, which runs on CUDA only" in str(err.value)
+    with initialize_config_module("lightning_sync.conf", version_base="1.3"):
+        check_config(compose("train", overrides=["trainer.strategy=ddp", "trainer.sync_batchnorm=false",
+                                                 "run_dir=/tmp/x"]))  # fine without SyncBatchNorm
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["model.lrr=0.1"], "model.lrr: no such key in the config (did you mean model.lr? Fix: model.lr=0.1)"),
+    (["trainer.max_epoch=3"], "trainer.max_epoch: no such key in the config (did you mean trainer.max_epochs? Fix: "
+                              "trainer.max_epochs=3)"),
+    (["-m", "trainer=cpu", "model.lrr=0.1,0.2"], "model.lrr: no such key"),
+    (["sed=3"], "sed: no such key in the config (did you mean seed? Fix: seed=3)"),
+])
+def test_mistyped_keys_get_the_projects_config_error(args: list[str], expected: str, tmp_path: Path) -> None:
+    from lightning_sync.config import unknown_override
+
+    assert expected in (unknown_override(args) or "")
+    assert unknown_override(["model.lr=0.1", "trainer=cpu", "+extra.key=1", "seed=3"]) is None
+    proc = subprocess.run([sys.executable, "-m", "lightning_sync.train", *args, f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode not in (0, 124) and f"lsync-train: config error: {expected}" in proc.stderr, proc.stderr
+    assert "is not in struct" not in proc.stderr and not (tmp_path / "run").exists()

@@ -28,6 +28,7 @@ import glob
 import os
 import socket
 import tempfile
+import threading
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -129,9 +130,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_umask_lock = threading.Lock()
+
+
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
+    """The process's umask, read without changing it where Linux shows it (``/proc/self/status``):
+    ``os.umask`` can only be read by setting it, which races every other thread creating files
+    (Lightning's ``AsyncCheckpointIO`` saves on a thread of its own)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _umask_lock:  # elsewhere: set and restore at once, one thread at a time
+        mask = os.umask(0o077)  # the strictest mask while it is briefly replaced
+        os.umask(mask)
     return mask
 
 

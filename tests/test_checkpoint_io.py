@@ -155,3 +155,17 @@ def test_sigkill_of_rank_0_while_saving_leaves_complete_checkpoints(tmp_path: Pa
     atomic_save({"after": 1}, ckpt_dir / "after.ckpt")
     assert _temp_files(ckpt_dir) == []
     assert not [name for name in staged if "ckpt" in name or name.startswith("tmp")], staged  # nothing via TMPDIR
+
+
+def test_umask_is_read_without_changing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.umask can only be read by setting it: a save must not race other threads creating files."""
+    import os
+
+    from lightning_sync import checkpoint_io
+
+    calls: list[int] = []
+    real = os.umask
+    monkeypatch.setattr(os, "umask", lambda mask: calls.append(mask) or real(mask))
+    expected = real(0o022)
+    real(expected)
+    assert checkpoint_io._umask() == expected and calls == []

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 import lightning_sync as ls
 from lightning_sync import rowstore
+from tests.distributed import run_ranks
 from tests.launch import launch_script, load_script, read_reports
 
 pa = pytest.importorskip("pyarrow")  # the "parquet" extra; the test extra installs it
@@ -274,3 +275,25 @@ def test_three_ranks_lightning_ddp(tmp_path: Path) -> None:
     launch(tmp_path, "--strategy", "ddp", "--devices", "3", "--big", str(BIG))
     check_main(tmp_path, 3, BIG, padded=True)
     assert json.loads((tmp_path / "big.manifest.json").read_text())["root_seed"] is None
+
+
+def _rank0_stuck(rank: int, world: int) -> str:
+    from lightning_sync.callbacks.predict import _from_rank0
+
+    if rank == 0:
+        time.sleep(4)  # alive, never publishes (a stuck merge)
+        return "rank 0"
+    try:
+        _from_rank0({"ok": True}, "lightning_sync/test/stuck", world, timeout=1.0, doing="merge the part files")
+    except ls.LightningSyncError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_waiting_for_a_stuck_rank_0_raise_after_the_merge_timeout() -> None:
+    start = time.monotonic()
+    _, text = run_ranks(_rank0_stuck, 2, timeout=60)
+    assert "rank 1 waited 1 s for rank 0 to merge the part files; rank 0 is alive" in text, text
+    assert "merge_timeout" in text and time.monotonic() - start < 30
+    with pytest.raises(ValueError, match="merge_timeout"):
+        ls.PredictionWriter("x.parquet", merge_timeout=0)

@@ -34,7 +34,7 @@ from torch.utils.data import IterableDataset
 from lightning_sync import collectives, rowstore
 from lightning_sync._compat.lightning_api import seen_batch_indices
 from lightning_sync._compat.torch_api import default_store
-from lightning_sync.errors import RankMismatchError, format_ranks
+from lightning_sync.errors import LightningSyncError, RankMismatchError, format_ranks
 from lightning_sync.recording import (
     OUTPUT_KEY,
     BatchLog,
@@ -129,6 +129,8 @@ class PredictionWriter(pl.Callback):
             outputs (keys, dtypes, shapes) as the earlier run. Holds one bit per dataset index.
         format: ``"parquet"`` (the only format).
         keep_parts: keep ``preds.parts/`` after a successful merge.
+        merge_timeout: seconds the other ranks wait for rank 0's merge before they raise (rank 0 alive
+            but stuck); a rank 0 that dies is noticed at once.
 
     Attributes:
         manifest: after ``trainer.predict``, the manifest (also on ranks other than 0).
@@ -136,7 +138,8 @@ class PredictionWriter(pl.Callback):
 
     def __init__(self, path: str | Path, *, keys: Sequence[str] | None = None, write_interval: WriteInterval = "batch",
                  row_group_size: int = 65536, compression: str | None = "snappy", overwrite: bool = False,
-                 resume: bool = False, format: str = "parquet", keep_parts: bool = False) -> None:
+                 resume: bool = False, format: str = "parquet", keep_parts: bool = False,
+                 merge_timeout: float = 1800.0) -> None:
         if format != "parquet":
             raise ValueError(f"PredictionWriter(format={format!r}): only 'parquet' is supported.")
         if isinstance(keys, str):
@@ -150,7 +153,10 @@ class PredictionWriter(pl.Callback):
             raise ValueError(f"PredictionWriter(row_group_size={row_group_size!r}): needs a positive int.")
         if compression is not None and compression.lower() not in _COMPRESSIONS:
             raise ValueError(f"PredictionWriter(compression={compression!r}): use one of {', '.join(_COMPRESSIONS)}.")
+        if isinstance(merge_timeout, bool) or not isinstance(merge_timeout, (int, float)) or not merge_timeout > 0:
+            raise ValueError(f"PredictionWriter(merge_timeout={merge_timeout!r}): needs positive seconds.")
         rowstore.require_pyarrow("PredictionWriter")
+        self.merge_timeout = float(merge_timeout)
         self.path = Path(path)
         self.keys = list(keys) if keys is not None else None
         self.write_interval = write_interval
@@ -372,7 +378,8 @@ class PredictionWriter(pl.Callback):
                 verdict = {"manifest": self._merge(trainer, summaries, _dataset_length(trainer))}
             except Exception as err:  # noqa: BLE001 - raised on every rank below
                 verdict = {"error": f"{type(err).__name__}: {err}", "kind": type(err).__name__}
-        verdict = _from_rank0(verdict, f"lightning_sync/predict/{self._attempt}", len(summaries))
+        verdict = _from_rank0(verdict, f"lightning_sync/predict/{self._attempt}", len(summaries), self.merge_timeout,
+                              f"merge the part files into {self.path}")
         if verdict.get("error"):
             kind = ValueError if verdict["kind"] == "ValueError" else RuntimeError
             raise kind(f"PredictionWriter: rank 0 could not write {self.path}: {verdict['error']}. The complete part "
@@ -448,12 +455,13 @@ def _dataset_length(trainer: pl.Trainer) -> int | None:
         return None
 
 
-def _from_rank0(value: Any, key: str, world_size: int) -> Any:
-    """Rank 0's ``value`` on every rank, however long rank 0 takes to produce it.
+def _from_rank0(value: Any, key: str, world_size: int, timeout: float = 1800.0, doing: str = "finish") -> Any:
+    """Rank 0's ``value`` on every rank, as long as rank 0 takes at most ``timeout`` s to produce it.
 
     Not a collective: ranks > 0 poll the rendezvous store, so rank 0 may merge for longer than the
     collective guard's timeout (a guarded broadcast would fail there), and a rank 0 that dies makes
-    the store unreachable, which raises here at once instead of hanging.
+    the store unreachable, which raises here at once instead of hanging. A rank 0 that is alive but
+    stuck makes the others raise after ``timeout`` s (``PredictionWriter(merge_timeout=...)``).
     """
     if not collectives.is_distributed():
         return value
@@ -464,8 +472,13 @@ def _from_rank0(value: Any, key: str, world_size: int) -> Any:
     if dist.get_rank() == 0:
         store.set(key, json.dumps(value))
         return value
-    delay = 0.01
+    delay, deadline = 0.01, time.monotonic() + timeout
     while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise LightningSyncError(
+                f"PredictionWriter: rank {dist.get_rank()} waited {timeout:g} s for rank 0 to {doing}; rank 0 is "
+                "alive (its store answers) but has not finished: stuck, or slower than that. Look at rank 0's stack "
+                "(py-spy dump --pid PID); for data that takes longer, pass PredictionWriter(merge_timeout=...).")
         time.sleep(delay)
         delay = min(1.0, delay * 1.5)
     shared = json.loads(store.get(key))  # plain data: rank 0's bytes cannot run code here

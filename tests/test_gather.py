@@ -342,3 +342,27 @@ def test_bad_step_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
                 (rank, case, rep[case])
             assert words in error, (rank, case, error)
             assert rep[case]["seconds"] < 60, (rank, case, rep[case])
+
+
+def _metric_fails_on_rank_1(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    def metric(out: dict[str, Any]) -> float:
+        if dist.get_rank() == 1:
+            raise ZeroDivisionError("no positive sample on this rank's device")
+        return 0.5
+
+    gather = ls.ValidationGather(metrics={"auc": metric})
+    out = {"index": torch.arange(4), "preds": torch.zeros(4)}
+    try:
+        gather._compute_metrics(out, "validate", 0, 1)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_metric_failing_on_one_rank_other_than_0_fails_every_rank() -> None:
+    """Every rank computes the metric on the gathered rows; rank 1's failure used to be dropped."""
+    for text in run_ranks(_metric_fails_on_rank_1, 2, timeout=60):
+        assert text == ("ValidationGather: a metric failed (validate, dataloader 0) on rank 1: "
+                        "ZeroDivisionError: no positive sample on this rank's device"), text

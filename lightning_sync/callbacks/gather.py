@@ -279,12 +279,16 @@ class ValidationGather(pl.Callback):
                 error = f"{type(err).__name__}: {err}"
         scalars = {k: float(v) for k, v in local.items() if _is_scalar(v)}
         samples = len(out[INDEX_KEY]) if out is not None else 0
-        # plain data only (safe=True): rank 0's bytes cannot run code on the other ranks
-        shared = collectives.broadcast_object({"scalars": scalars, "error": error, "samples": samples}
-                                              if out is not None else None, src=0, safe=True)
-        if shared["error"] is not None:
-            raise RuntimeError(f"ValidationGather: a metric failed on rank 0 ({stage}, dataloader {dataloader_idx}): "
-                               f"{shared['error']}")
+        # every rank's outcome (a metric can fail on one rank only: its device, its dtype); plain data only
+        # (safe=True): a peer's bytes cannot run code here. Rank 0's scalars are what every rank logs.
+        everyone = collectives.gather_objects({"scalars": scalars, "error": error, "samples": samples}
+                                              if out is not None else None, safe=True)
+        assert everyone is not None
+        failed = {r: o["error"] for r, o in enumerate(everyone) if o is not None and o["error"] is not None}
+        if failed:
+            raise RuntimeError(f"ValidationGather: a metric failed ({stage}, dataloader {dataloader_idx}) on "
+                               + "; ".join(f"rank {r}: {e}" for r, e in failed.items()))
+        shared = everyone[0]
         self.metrics.update(local)
         self.metrics.update(shared["scalars"])
         self.metric_samples.update({name: int(shared["samples"]) for name in [*local, *shared["scalars"]]})

@@ -313,7 +313,6 @@ class CollectiveGuard:
                 if isinstance(failure, StoreLostError) and op == _CLOSING:
                     # The rank hosting the store verified this rank's sequence and left first (its
                     # comparisons cover every pair of neighbours but this one, which is redundant).
-                    monitor.picked_up = True
                     return
                 failure = self._failure()
                 if failure is not None:
@@ -334,10 +333,7 @@ class CollectiveGuard:
 
     def _failure(self) -> BaseException | None:
         monitor = self._monitor
-        failure = monitor.failure if monitor is not None else None
-        if failure is not None:
-            monitor.picked_up = True  # type: ignore[union-attr]
-        return failure
+        return monitor.failure if monitor is not None else None
 
     def _record(self, op: str, match: str, group: Any, frame: Any) -> Fingerprint | None:
         recorder, sites = self._recorder, self._sites
@@ -384,7 +380,6 @@ class CollectiveGuard:
         fps[self._rank] = mine
         error = report.mismatch(seq, {r: fps.get(r) for r in tokens})
         monitor.fail(error)
-        monitor.picked_up = True
         return error
 
     def _explain(self, err: BaseException) -> BaseException:
@@ -401,7 +396,6 @@ class CollectiveGuard:
         # posted error says why, which beats gloo's "Connection closed by peer".
         failure = self._failure() or monitor.peer_abort()
         if failure is not None:
-            monitor.picked_up = True
             failure.__cause__ = err
             return failure
         lost = monitor.lost_peers(self._stream)
@@ -413,7 +407,6 @@ class CollectiveGuard:
         error = report.lost(lost, err, where)
         error.__cause__ = err
         monitor.fail(error)
-        monitor.picked_up = True
         return error
 
     def _check_layout(self, name: str, tensor: Tensor, group: Any) -> None:
@@ -428,7 +421,6 @@ class CollectiveGuard:
             error = CollectiveMismatchError(str(err), err.values)
             if self._monitor is not None:
                 self._monitor.fail(error, post=False, stack=False, may_exit=False)
-                self._monitor.picked_up = True
             raise error from None
         finally:
             self._depth -= 1

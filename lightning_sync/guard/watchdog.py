@@ -84,7 +84,6 @@ class Monitor:
         self._failure: BaseException | None = None
         self._failed_at = 0.0
         self._may_exit = True
-        self.picked_up = False
         self._stop = threading.Event()
         self._wake = threading.Event()  # an early turn (a closing check waiting for its confirmation)
         self._thread: threading.Thread | None = None

@@ -127,6 +127,20 @@ def _comm_device(group: dist.ProcessGroup | None, tensor: Any = None) -> torch.d
     return torch.device("cpu")
 
 
+def _device_barrier(group: dist.ProcessGroup | None = None, device_index: int | None = None,
+                   async_op: bool = False) -> Any:
+    """``dist.barrier`` that names the GPU on NCCL, as Lightning's ``DDPStrategy.barrier`` does.
+
+    Without ``device_ids`` NCCL picks a device itself (the bound one, else ``rank % device_count``, with
+    a warning): on a node whose ranks see their GPUs in another order that is a second communicator on
+    the wrong GPU. ``device_index``: this rank's GPU (default: the current CUDA device).
+    """
+    kwargs: dict[str, Any] = {}
+    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
+        kwargs["device_ids"] = [torch.cuda.current_device() if device_index is None else device_index]
+    return dist.barrier(group=group, async_op=async_op, **kwargs)
+
+
 # The active collective guard's two callbacks (see register_guard); None without a guard.
 _guard_hook: Any = None
 _guard_explain: Any = None
@@ -205,8 +219,10 @@ def _padded_exchange(parts: Sequence[Tensor], sizes: list[int], group: dist.Proc
 
 
 def _trim(blocks: Tensor, sizes: list[int]) -> list[Tensor]:
-    """Each rank's bytes without the padding."""
-    return [blocks[r, :size] for r, size in enumerate(sizes)]
+    """Each rank's bytes without the padding, on the host: one device-to-host copy for all ranks (on
+    NCCL the blocks arrive on the GPU; a copy per rank would be ``world`` synchronising transfers)."""
+    host = blocks.cpu()
+    return [host[r, :size] for r, size in enumerate(sizes)]
 
 
 def _all_gather_texts(text: str, group: dist.ProcessGroup | None, device: torch.device,
@@ -221,7 +237,7 @@ def _all_gather_texts(text: str, group: dist.ProcessGroup | None, device: torch.
     part = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     blocks = _padded_exchange([part.to(device)], sizes, group, device)
     assert blocks is not None
-    return [bytes(chunk.cpu().tolist()).decode() for chunk in _trim(blocks, sizes)]
+    return [chunk.numpy().tobytes().decode() for chunk in _trim(blocks, sizes)]
 
 
 class _Problem:

@@ -607,7 +607,7 @@ def _group_test(launch: Launch, store: Store, backend: str, timeout: float) -> s
         value = torch.tensor([launch.rank + 1.0])
         total = float(collectives.all_reduce(value, op="sum")[0])
         expected = launch.world_size * (launch.world_size + 1) / 2
-        dist.barrier()
+        collectives._device_barrier()
         dist.destroy_process_group()  # clean teardown on every rank (docs/strategy.md: the gloo teardown crash)
         if total != expected:
             return f"FAILED: all_reduce sum {total} != {expected}"

@@ -24,7 +24,7 @@ from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import PathLike, StrategyRegistryType
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.checkpoint_io import AtomicCheckpointIO
-from lightning_sync.collectives import check_same_layout, validate_seed
+from lightning_sync.collectives import _device_barrier, check_same_layout, validate_seed
 from lightning_sync.errors import UnevenEvaluationError
 from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.guard.nccl import configure_nccl_flight_recorder
@@ -407,7 +407,9 @@ class SyncDDPStrategy(DDPStrategy):
                         # (ranks that synced different metrics at the last epoch end) is raised here
                         self._guard.closing_check()
                     if not keep:
-                        dist.barrier()  # nobody destroys the group while a peer still uses it
+                        # nobody destroys the group while a peer still uses it
+                        ids = self.determine_ddp_device_ids()
+                        _device_barrier(device_index=ids[0] if ids else None)
             except BaseException:
                 self._failed = True
                 raise
@@ -481,7 +483,7 @@ def destroy_at_exit(timeout: float = 60.0) -> None:
             return
         gc.collect()
         try:
-            work = dist.barrier(async_op=True)
+            work = _device_barrier(async_op=True)  # on NCCL, wait(timeout) aborts the communicator if it expires
             if work is not None:
                 work.wait(timedelta(seconds=timeout))
         except RuntimeError:  # a peer is gone: destroying could block until the group's own timeout

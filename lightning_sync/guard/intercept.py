@@ -6,6 +6,12 @@ the training thread can still raise while it waits: the collective is issued wit
 (found by the watchdog thread) is checked. A plain gloo collective cannot be cancelled, so a
 collective given up this way is *abandoned*: its work and process group are kept alive for the
 rest of the process, since destroying them would block until the process group's timeout.
+
+Sliced waits are for gloo only. NCCL's ``Work.wait(timeout)`` is no poll: when the timeout expires it
+aborts the group's communicators and raises (``ProcessGroupNCCL::WorkNCCL::wait``, torch 2.x), so one
+slice shorter than a slow peer's step would end the run. On NCCL (and any backend not known to be
+gloo) a collective runs as the caller wrote it: it is queued on the GPU stream and returns, and a rank
+stuck behind it is ended by the watchdog's grace exit instead (see ``watchdog.py``).
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ GUARDED_OPS = (
     "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
     "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
 )
-#: Of those, the ones whose tensor must have one shape on every rank: checked across ranks before they
-#: run (one small metadata exchange), since gloo aborts on a size mismatch or returns garbage.
+#: Of those, the ones whose tensor must have one shape on every rank: on gloo checked across ranks before
+#: they run (one small metadata exchange), since gloo aborts on a size mismatch or returns garbage.
 SAME_SHAPE_OPS = frozenset({"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast",
                             "reduce", "reduce_scatter_tensor", "reduce_scatter_single"})
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (same arguments); both
@@ -68,6 +74,27 @@ _GROUP_AT = {"all_reduce": 2, "all_gather": 2, "all_gather_into_tensor": 2, "all
              "gather": 3, "gather_object": 3, "scatter": 3, "scatter_object_list": 3, "all_to_all": 2,
              "all_to_all_single": 4}
 _abandoned: list[Any] = []
+
+
+def runs_on_gloo(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call goes to gloo: its group is gloo, or a mixed ``cpu:gloo,cuda:nccl`` group given CPU
+    tensors. Only then is its work waited for in slices (``Work.wait(timeout)`` repeated) and its shapes
+    compared before it runs (gloo aborts the process on a size mismatch); on NCCL both would stop the
+    CPU until the GPU stream has caught up, at every guarded call, and the watchdog compares the shapes
+    in the fingerprints instead, a turn later."""
+    group = _arg(args, kwargs, (_GROUP_AT.get(name, 99), "group"))
+    try:
+        backend = str(dist.get_backend(group)).lower()
+    except (ValueError, RuntimeError):  # not a member of the group: the call returns at once anyway
+        return False
+    if backend == "gloo":
+        return True
+    if "gloo" not in backend:
+        return False
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if isinstance(first, (list, tuple)):
+        first = first[0] if first else None
+    return isinstance(first, Tensor) and first.device.type == "cpu"
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], where: tuple[int, str] | None) -> Any:
@@ -151,7 +178,7 @@ class Interceptor:
             group = _arg(args, kwargs, group_at)
             if guard._record(name, match, group, frame) is None:
                 return fn(*args, **kwargs)  # this rank is not in the group
-            if same_shape and isinstance(tensor, Tensor):
+            if same_shape and isinstance(tensor, Tensor) and runs_on_gloo(name, args, kwargs):
                 guard._check_layout(name, tensor, group)
             guard._depth += 1
             try:
@@ -171,7 +198,7 @@ class Interceptor:
             return fn(*args, **kwargs)
         previous = recorder.enter(guard._stream)
         try:
-            if at is None or kwargs.get("async_op") or len(args) > at:
+            if at is None or kwargs.get("async_op") or len(args) > at or not runs_on_gloo(name, args, kwargs):
                 try:
                     return fn(*args, **kwargs)
                 except RuntimeError as err:

@@ -39,7 +39,7 @@ class RankFailure(AssertionError):
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, args: Sequence[Any],
-           pg_timeout: float, queue: Any, init: bool) -> None:
+           pg_timeout: float, queue: Any, init: bool, backend: str = "gloo") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import torch
@@ -47,8 +47,13 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, a
 
         torch.set_num_threads(1)
         if init:
-            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=pg_timeout))
+            kwargs: dict[str, Any] = {}
+            if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one GPU)
+                device = torch.device("cuda", rank % torch.cuda.device_count())
+                torch.cuda.set_device(device)
+                kwargs["device_id"] = device
+            dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout), **kwargs)
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -61,14 +66,16 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, a
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (), timeout: float = 60.0,
-              pg_timeout: float = 30.0, init: bool = True, expect_failure: bool = False, failure_grace: float = 5.0) -> list[Any]:
+              pg_timeout: float = 30.0, init: bool = True, expect_failure: bool = False, failure_grace: float = 5.0,
+              backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results in rank order.
 
     Args:
         fn: a module-level function (it is pickled by reference).
         timeout: hard limit in seconds for the whole group; ranks still running are killed.
         pg_timeout: the process group's own timeout.
-        init: join a gloo group before calling ``fn`` (and destroy it after).
+        init: join a process group before calling ``fn`` (and destroy it after).
+        backend: that group's backend; ``"nccl"`` puts rank ``r`` on GPU ``r % device_count``.
         expect_failure: return the per-rank outcomes ``(ok, result_or_traceback)`` instead of raising.
         failure_grace: once a rank has failed (and failure is not expected), how long the others
             get before they are killed.
@@ -80,7 +87,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] =
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, args, pg_timeout, queue, init),
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, args, pg_timeout, queue, init, backend),
                              daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()

@@ -198,7 +198,7 @@ def check_columns(table: Any, n: int, rows: slice = slice(None)) -> None:
         np.testing.assert_allclose(np.array(table.column("square").to_pylist()), square, rtol=1e-6)
 
 
-def check_main(out: Path, world: int, big: int, padded: bool) -> list[dict[str, Any]]:
+def check_main(out: Path, world: int, big: int, padded: bool, memory: bool = True) -> list[dict[str, Any]]:
     reps = reports(out, "main", world)
     for name, n in (("n7", 7), ("shuffled", 1001), ("custom", 1001), ("reference", 1001)):
         table = pq.read_table(out / f"{name}.parquet")
@@ -227,8 +227,10 @@ def check_main(out: Path, world: int, big: int, padded: bool) -> list[dict[str, 
     rss = reps[0]["big_rss"]
     growth = rss["peak"] - rss["base"]
     print(f"{world} ranks: rank 0 peak RSS growth {growth / 2**20:.1f} MiB for {size / 2**20:.1f} MiB of predictions")
-    assert growth < 0.6 * size, (growth, size)  # measured 0.40-0.46x at 2 and 3 ranks; constant in N
-    print(f"rank 1 peak RSS growth {(reps[1]['big_rss']['peak'] - reps[1]['big_rss']['base']) / 2**20:.1f} MiB")
+    if memory:  # (not on the gpu tier: CUDA's own host allocations land in the same RSS)
+        assert growth < 0.6 * size, (growth, size)  # measured 0.40-0.46x at 2 and 3 ranks; constant in N
+    for rep in reps[1:]:
+        print(f"a rank > 0: peak RSS growth {(rep['big_rss']['peak'] - rep['big_rss']['base']) / 2**20:.1f} MiB")
     for rep in reps:  # every rank raised the same clear error, fast, and nothing was written
         if "exists" in rep:
             assert rep["exists"]["type"] == "FileExistsError" and "overwrite=True" in rep["exists"]["message"]
@@ -236,9 +238,10 @@ def check_main(out: Path, world: int, big: int, padded: bool) -> list[dict[str, 
             assert rep["batch_dim"]["type"] == "ValueError"
             message = rep["batch_dim"]["message"]
             assert "rank 1, batch 0: key 'emb' has shape (1, 16) but the batch has 2 samples" in message
-        assert rep["extra_key"]["type"] == "RankMismatchError"
-        assert "rank 0 index: int64, emb:" in rep["extra_key"]["message"]
-        assert "extra: float" in rep["extra_key"]["message"]
+        if world > 1:  # the extra key is rank 1's
+            assert rep["extra_key"]["type"] == "RankMismatchError"
+            assert "rank 0 index: int64, emb:" in rep["extra_key"]["message"]
+            assert "extra: float" in rep["extra_key"]["message"]
         assert not rep["bad_exists"]
         for case in ("exists", "batch_dim", "extra_key"):
             assert rep.get(case, {"seconds": 0})["seconds"] < 60

@@ -174,7 +174,7 @@ def bad_step(model: Model, out: dict[str, Any], batch_idx: int) -> Any:
 
 
 def trainer(args: argparse.Namespace, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=args.devices, strategy=args.strategy, logger=False,
+    return L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, logger=False,
                      callbacks=callbacks, **kwargs)
 
 
@@ -187,6 +187,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="ddp_sync")
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--accelerator", default="cpu", help="gpu: the tests' gpu tier (one process per GPU)")
     p.add_argument("--phase", default="all")
     args = p.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -109,7 +109,7 @@ def run(out: Path, kind: str, args: list[str], tag: str, opts: argparse.Namespac
     if kind == "resume":
         ckpt = args[1] if "/" in args[1] else str(out / args[1] / "last.ckpt")
     strategy = ls.SyncDDPStrategy(seed=None if kind == "resume" else 1234, resume=opts.auto)
-    trainer = L.Trainer(accelerator="cpu", devices=opts.devices, strategy=strategy, max_epochs=epochs,
+    trainer = L.Trainer(accelerator=opts.accelerator, devices=opts.devices, strategy=strategy, max_epochs=epochs,
                         max_steps=max_steps, logger=False,
                         enable_checkpointing=kind == "stop", callbacks=callbacks, limit_val_batches=0,
                         num_sanity_val_steps=0, default_root_dir=out / tag)
@@ -128,6 +128,7 @@ def main() -> None:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--plan", required=True)
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--accelerator", default="cpu", help="gpu: the tests' gpu tier (one process per GPU)")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--batch-size", type=int, default=4)

@@ -152,7 +152,7 @@ def trainer(args: argparse.Namespace, callbacks: list[L.Callback]) -> L.Trainer:
     strategy: Any = args.strategy
     if args.strategy == "ddp_sync":
         strategy = ls.SyncDDPStrategy(seed=1234, guard_timeout=20)
-    return L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, logger=False,
+    return L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, logger=False,
                      callbacks=callbacks)
 
 
@@ -178,6 +178,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="ddp_sync")
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--accelerator", default="cpu", help="gpu: the tests' gpu tier (one process per GPU)")
     p.add_argument("--phase", default="main")
     p.add_argument("--big", type=int, default=2_000_003)
     p.add_argument("--errors", default="exists,batch_dim,extra_key", help="the error cases to run, in this order")

@@ -55,6 +55,10 @@ COVERED: list[Covered] = [
     Covered(r"bash scripts/train\.sh( .*)?", "tests/test_docs.py::test_train_script_runs_the_main_job"),
     Covered(r"pip install \.", "tests/test_wheel.py::test_pip_install_then_lsync_train_outside_the_repo"),
     Covered(r"pip install \"\.\[[\w,]+\]\"", "scripts/bootstrap.sh", '-e ".[test,recipes]"'),
+    Covered(r"bash scripts/gpu_check\.sh( \[?REPORT_DIR\]?)?",
+            "tests/test_gpu_check.py::test_without_cuda_it_says_so_and_exits_2"),
+    Covered(r"bash scripts/gpu_check\.sh --download( .*)?",
+            "tests/test_gpu_check.py::test_dry_run_from_a_bare_host_installs_from_wheels_runs_the_tier_and_reports"),
     Covered(r"(\.venv/bin/)?python docs/gen_api\.py( --check)?",
             "tests/test_docs.py::test_api_reference_is_up_to_date"),
 ]

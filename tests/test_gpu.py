@@ -246,6 +246,7 @@ def test_native_syncbatchnorm_and_bf16_through_the_trainer(tmp_path: Path) -> No
     assert report["syncbn"]["backend"] == "nccl" and report["syncbn"]["device"].startswith("cuda")
     assert set(report["syncbn"]["bn_classes"]) == {"lightning_sync.batchnorm.SyncBatchNorm"}
     assert set(report["plain"]["bn_classes"]) == {"torch.nn.modules.batchnorm.BatchNorm1d"}
+    assert report["flight_recorder"]["buffer"] == "2000" and report["flight_recorder"]["entries"] > 0
     ours, plain = torch.load(tmp_path / "syncbn.pt"), torch.load(tmp_path / "plain.pt")
     assert ours.keys() == plain.keys()
     for key in ours:  # one GPU: the synchronised layer must train exactly like BatchNorm

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_sync as ls
+from lightning_sync._compat.torch_api import flight_recorder_dump
 
 
 def data(n: int, seed: int = 0) -> TensorDataset:
@@ -94,6 +97,11 @@ def main() -> None:
             model, trainer = fit(ls.SyncDDPStrategy(seed=5), initial, sync_batchnorm=sync)
             report[name] = {"bn_classes": sorted(model.bn_classes), "device": str(trainer.strategy.root_device),
                             "backend": model.backend, "strategy": type(trainer.strategy).__name__}
+            if name == "syncbn":  # the guard turned NCCL's flight recorder on before the group existed
+                dump = flight_recorder_dump()
+                entries = pickle.loads(dump).get("entries", []) if dump else []
+                report["flight_recorder"] = {"buffer": os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"),
+                                             "entries": len(entries)}
             torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.out / f"{name}.pt")
     else:
         model, trainer = fit("ddp_sync", initial, precision="bf16-mixed")

@@ -110,7 +110,7 @@ def set_layer_sync(strategy: DDPStrategy, plugin: Any) -> None:
 
 def start_method(strategy: DDPStrategy) -> str:
     """``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``."""
-    return str(strategy._start_method)
+    return str(getattr(strategy, "_start_method", "popen"))  # strategies without one start ranks as scripts
 
 
 def ddp_kwargs(strategy: DDPStrategy) -> dict[str, Any]:

@@ -83,7 +83,8 @@ class Report(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, model: Model) -> None:
         r = trainer.global_rank
         self.out.mkdir(parents=True, exist_ok=True)
-        requeue = getattr(trainer.strategy, "_requeue", None)
+        part = trainer.strategy.part(ls.parts.RequeuePart)
+        requeue = part.requeue if part is not None else None
         (self.out / f"rank{r}.json").write_text(json.dumps({"rank": r, "world": trainer.world_size,
                                                             "seed": trainer.strategy.seed, "steps": model.steps,
                                                             "global_step": trainer.global_step,

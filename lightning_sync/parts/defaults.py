@@ -1,0 +1,34 @@
+"""``default_parts``: every part, configured from a sync strategy's arguments."""
+
+from __future__ import annotations
+
+from lightning_sync.guard.core import CollectiveGuard
+from lightning_sync.parts.base import Part
+from lightning_sync.parts.checkpoint import CheckpointStatePart
+from lightning_sync.parts.data import ResumableDataPart
+from lightning_sync.parts.evaluation import ExactEvalPart
+from lightning_sync.parts.guard import GuardPart
+from lightning_sync.parts.requeue import RequeuePart
+from lightning_sync.parts.seed import SeedLineagePart
+from lightning_sync.parts.teardown import TeardownPart
+from lightning_sync.parts.uneven import UnevenBatchPart
+
+__all__ = ["default_parts"]
+
+def default_parts(*, seed: int | None = None, guard: bool | CollectiveGuard = True, guard_timeout: float | None = None,
+                  uneven_batches: str = "error", resume: str | None = None, exact_eval: bool = True) -> list[Part]:
+    """Every part, configured from the strategy's arguments (``SyncDDPStrategy``'s, which documents them)."""
+    parts: list[Part] = []
+    if guard:
+        chosen = guard if isinstance(guard, CollectiveGuard) else CollectiveGuard()
+        if guard_timeout is not None:
+            # hang_timeout follows timeout unless the user set it on their own guard
+            chosen.timeout = CollectiveGuard(timeout=guard_timeout).timeout
+        parts.append(GuardPart(chosen))
+    if exact_eval:
+        parts.append(ExactEvalPart())
+    parts += [SeedLineagePart(seed), UnevenBatchPart(uneven_batches), ResumableDataPart(resume),
+              CheckpointStatePart(), RequeuePart(), TeardownPart()]
+    return parts
+
+

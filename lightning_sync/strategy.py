@@ -8,33 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from lightning.pytorch.strategies import DDPStrategy
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import StrategyRegistryType
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.checkpoint_io import AtomicCheckpointIO
-from lightning_sync.collectives import check_same_layout, validate_seed
+from lightning_sync.collectives import validate_seed
 from lightning_sync.guard.core import CollectiveGuard
-from lightning_sync.parts.base import SyncStrategyMixin
+from lightning_sync.parts.mixin import SyncStrategyMixin
 from lightning_sync.parts.defaults import default_parts
-from lightning_sync.parts.evaluation import ExactEvalPart
-from lightning_sync.parts.guard import GuardPart
 from lightning_sync.parts.seed import SeedLineagePart
-from lightning_sync.sampling import is_integer_mean
-from lightning_sync.seeding import SeedLineage
 
 __all__ = ["SyncDDPStrategy"]
-
-_ALL_GATHER_FIX = (
-    "Under ddp_sync every evaluation sample is evaluated once (no padding), so the ranks' last batches can "
-    "differ in size. Gather rows with lightning_sync.collectives.all_gather_uneven(tensor) (every rank's rows "
-    "concatenated in rank order, and each rank's row count), collect per-sample outputs with "
-    "lightning_sync.ValidationGather, or pass SyncDDPStrategy(exact_eval=False) for Lightning's padded sampler "
-    "(equal batches, some samples twice).")
 
 
 class SyncDDPStrategy(SyncStrategyMixin, DDPStrategy):
@@ -89,32 +76,12 @@ class SyncDDPStrategy(SyncStrategyMixin, DDPStrategy):
         self._init_parts(default_parts(seed=seed, guard=guard, guard_timeout=guard_timeout,
                                        uneven_batches=uneven_batches, resume=resume, exact_eval=exact_eval))
 
-    # ------------------------------------------------------------------ what the parts hold
-
-    @property
-    def seed(self) -> int | None:
-        """The root seed every rank agreed on (``None`` before the process group is set up)."""
-        lineage = self.seed_lineage
-        return lineage.root if lineage is not None else None
-
-    @property
-    def seed_lineage(self) -> SeedLineage | None:
-        """How every stream of this run derives from the root seed."""
-        part = self.part(SeedLineagePart)
-        return part.lineage if part is not None else None
-
     def _adopt_root(self, root: int) -> None:
         """In the launching process of spawned/forked ranks: the root seed rank 0 agreed on (its next
         ``fit``/``validate`` agrees on it again)."""
         part = self.part(SeedLineagePart)
         if part is not None:
             part.adopt_root(root, self.world_size)
-
-    @property
-    def guard(self) -> CollectiveGuard | None:
-        """The collective guard (``None`` when turned off)."""
-        part = self.part(GuardPart)
-        return part.guard if part is not None else None
 
     # ------------------------------------------------------------------ DDP's own steps
 
@@ -135,48 +102,6 @@ class SyncDDPStrategy(SyncStrategyMixin, DDPStrategy):
         super().configure_ddp()
         if guard is not None and self.model is not None:
             guard.watch_module(self.model)
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        exact = self.part(ExactEvalPart)
-        if exact is not None and isinstance(tensor, Tensor):
-            exact.check_step_collective(self, "self.log(..., sync_dist=True)")
-            if is_integer_mean(tensor, reduce_op):  # self.log's sample count: a float mean is exact
-                dtype = torch.get_default_dtype() if torch.get_default_dtype() == torch.float64 else torch.float32
-                return self._reduce(tensor.to(dtype), group, reduce_op)
-        return self._reduce(tensor, group, reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        exact = self.part(ExactEvalPart)
-        if exact is not None:
-            exact.check_step_collective(self, "all_gather")
-        if isinstance(tensor, Tensor) and self.world_size > 1:
-            # torch's all_gather needs one shape on every rank; with another, gloo aborts one rank and hands
-            # the other garbage. Exact evaluation gives ranks last batches of different sizes, so say so first.
-            check_same_layout(tensor, "self.all_gather", _ALL_GATHER_FIX if exact is not None else "",
-                              group=group)
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    def _reduce(self, tensor: Any, group: Any | None, reduce_op: Any) -> Any:
-        # One guarded check for Lightning's barrier + all_reduce pair (self.log(sync_dist=True)).
-        guard = self.part(GuardPart)
-        if guard is None or guard.guard is None or not isinstance(tensor, Tensor):
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        op = reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1].lower()
-        match = f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(map(str, tensor.shape))}] op={op}"
-        with guard.guarded("strategy.reduce", match, group):
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # The root seed reaches the DistributedSampler Lightning injects explicitly (Lightning reads
-        # PL_GLOBAL_SEED only when no seed is given): no environment variable carries it.
-        kwargs = dict(super().distributed_sampler_kwargs)
-        if self.seed is not None:
-            kwargs["seed"] = self.seed
-        return kwargs
 
     @property
     def checkpoint_io(self) -> Any:

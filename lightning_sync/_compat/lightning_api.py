@@ -423,6 +423,14 @@ def _result_metric_file_fits() -> bool:
                and "meta" in m.__code__.co_names for m in methods)
 
 
+def _model_parallel_fits() -> bool:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return all(callable(getattr(ModelParallelStrategy, name, None))
+               for name in ("_setup_distributed", "_get_process_group_backend", "_configure_launcher")) and \
+        "_timeout" in vars(ModelParallelStrategy())
+
+
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("lightning.pytorch.strategies.DDPStrategy._ddp_kwargs", "initial-parameter check: what DDP will not "
                "overwrite", lambda: isinstance(getattr(DDPStrategy(), "_ddp_kwargs", None), dict)),
@@ -443,6 +451,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "the Hydra-aware launcher",
                lambda: {"_start_method", "_launcher"} <= set(_ddp_vars())
                and callable(getattr(DDPStrategy, "_configure_launcher", None))),
+    TouchPoint("lightning.pytorch.strategies.ModelParallelStrategy._setup_distributed, _timeout and "
+               "_get_process_group_backend", "SyncModelParallelStrategy: the parts around the group's creation",
+               _model_parallel_fits),
     TouchPoint("DDPStrategy.load_checkpoint and TorchCheckpointIO.load_checkpoint (weights_only=...)",
                "resume: weights_only passed only where Lightning takes it (2.6.0 on)",
                lambda: _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY == (LIGHTNING_VERSION >= Version("2.6.0"))

@@ -5,7 +5,7 @@ A sync strategy is a Lightning strategy plus an ordered list of parts::
     class SyncDDPStrategy(SyncStrategyMixin, DDPStrategy): ...        # every part
     class SyncXStrategy(SyncStrategyMixin, XStrategy): ...            # the parts that fit X
 
-``SyncStrategyMixin`` (``base.py``) overrides the Lightning strategy methods once and calls each
+``SyncStrategyMixin`` (``mixin.py``) overrides the Lightning strategy methods once and calls each
 part's hooks, in list order, around ``super()``. A part (``Part``) holds one guarantee and its state,
 owns its callbacks (put first in ``trainer.callbacks``, on every rank), is switched off by leaving it
 out of the list, and never calls another part except through ``strategy.part(Kind)``.
@@ -62,7 +62,7 @@ _WHERE = {
     "RequeuePart": "requeue",
     "ResumableDataPart": "data",
     "SeedLineagePart": "seed",
-    "SyncStrategyMixin": "base",
+    "SyncStrategyMixin": "mixin",
     "TeardownPart": "teardown",
     "UnevenBatchPart": "uneven",
     "default_parts": "defaults",

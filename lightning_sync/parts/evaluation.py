@@ -8,7 +8,14 @@ from lightning_sync._compat import lightning_api as _compat
 from lightning_sync.parts.base import Part
 from lightning_sync.sampling import ExactEvaluation, evaluation_limit, exact_eval_dataloader
 
-__all__ = ["ExactEvalPart"]
+__all__ = ["ALL_GATHER_FIX", "ExactEvalPart"]
+
+ALL_GATHER_FIX = (
+    "Under exact evaluation every sample is evaluated once (no padding), so the ranks' last batches can "
+    "differ in size. Gather rows with lightning_sync.collectives.all_gather_uneven(tensor) (every rank's rows "
+    "concatenated in rank order, and each rank's row count), collect per-sample outputs with "
+    "lightning_sync.ValidationGather, or pass exact_eval=False to the strategy for Lightning's padded sampler "
+    "(equal batches, some samples twice).")
 
 
 class ExactEvalPart(Part):
@@ -25,10 +32,15 @@ class ExactEvalPart(Part):
             self._quiet_warning = _compat.silence_padded_sampler_warning()
 
     def process_dataloader(self, strategy: Any, dataloader: Any, trainer: Any) -> Any:
-        if trainer is not None and strategy.world_size > 1 and (
-                trainer.sanity_checking or trainer.validating or trainer.testing or trainer.predicting):
-            dataloader = exact_eval_dataloader(dataloader, strategy.global_rank, strategy.world_size,
-                                               predicting=trainer.predicting, monitor=self.monitor)
+        if trainer is None or not (trainer.sanity_checking or trainer.validating or trainer.testing
+                                   or trainer.predicting):
+            return dataloader
+        # the data-parallel ranks (all ranks under DDP; under tensor parallelism, one per replica)
+        shards = strategy.distributed_sampler_kwargs
+        replicas, rank = int(shards.get("num_replicas", strategy.world_size)), int(shards.get("rank", strategy.global_rank))
+        if replicas > 1:
+            dataloader = exact_eval_dataloader(dataloader, rank, replicas, predicting=trainer.predicting,
+                                               monitor=self.monitor)
         return dataloader
 
     def check_step_collective(self, strategy: Any, what: str) -> None:

@@ -1,0 +1,225 @@
+"""``SyncStrategyMixin``: a Lightning strategy plus an ordered list of parts (``lightning_sync.parts``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from lightning_sync._compat import lightning_api as _compat
+from lightning_sync._compat.lightning_api import PathLike
+from lightning_sync.parts.base import Part
+from lightning_sync.parts.evaluation import ALL_GATHER_FIX, ExactEvalPart
+from lightning_sync.parts.guard import GuardPart
+from lightning_sync.parts.seed import SeedLineagePart
+from lightning_sync.strategy_callbacks import install_first
+
+__all__ = ["SyncStrategyMixin"]
+
+_P = TypeVar("_P", bound=Part)
+
+
+class SyncStrategyMixin:
+    """A Lightning strategy plus an ordered list of parts: put it first in the bases,
+    ``class SyncXStrategy(SyncStrategyMixin, XStrategy)``, and pass the parts to ``_init_parts``.
+
+    It overrides the Lightning strategy methods the parts need and calls every part's hook around
+    ``super()``: nothing about one guarantee lives in the strategy class.
+    """
+
+    _parts: tuple[Part, ...] = ()
+
+    def _init_parts(self, parts: Sequence[Part]) -> None:
+        self._parts = tuple(parts)
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """The parts in the order their hooks run."""
+        return self._parts
+
+    def part(self, kind: type[_P]) -> _P | None:
+        """This strategy's part of type ``kind``, or ``None`` when it has none (switched off)."""
+        return next((p for p in self._parts if isinstance(p, kind)), None)
+
+    # ------------------------------------------------------------------ Lightning's strategy methods
+
+    _kept_group = False  # the last teardown kept the process group for this strategy's next trainer call
+    _failed = False  # the current run failed: teardown skips the collectives of a healthy group
+
+    def setup_distributed(self) -> None:
+        self._sync_setup_distributed(super().setup_distributed)  # type: ignore[misc]
+
+    def _sync_setup_distributed(self, create: Any) -> None:
+        """Create the process group with ``create`` (the Lightning strategy's own step), the parts around it."""
+        import torch.distributed as dist
+
+        from lightning_sync.resume import init_process_group_after_restart
+
+        for p in self._parts:
+            p.before_setup_distributed(self)
+        strategy: Any = self  # the Lightning strategy this mixin is combined with
+        device = strategy.root_device
+        init_process_group_after_restart(_compat.process_group_backend(strategy), _compat.process_group_timeout(strategy),
+                                         device if device.type != "cpu" else None)
+        existed = dist.is_available() and dist.is_initialized()
+        create()
+        # The group this strategy kept at its last teardown (fit, then validate/test/predict): the parts
+        # agreed on what they need once per group. (No reference to the group object is held: it would
+        # keep a destroyed group's store serving stale rendezvous keys on MASTER_PORT.)
+        fresh = not (existed and self._kept_group)
+        self._kept_group = False
+        self._failed = False
+        for p in self._parts:
+            p.setup_distributed(self, fresh)
+
+    # ------------------------------------------------------------------ what the parts hold
+
+    @property
+    def seed(self) -> int | None:
+        """The root seed every rank agreed on (``None`` before the process group is set up)."""
+        lineage = self.seed_lineage
+        return lineage.root if lineage is not None else None
+
+    @property
+    def seed_lineage(self) -> Any:
+        """How every stream of this run derives from the root seed (a ``SeedLineage``; None without one)."""
+        part = self.part(SeedLineagePart)
+        return part.lineage if part is not None else None
+
+    @property
+    def guard(self) -> Any:
+        """The collective guard (a ``CollectiveGuard``; ``None`` when turned off)."""
+        part = self.part(GuardPart)
+        return part.guard if part is not None else None
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The root seed reaches the DistributedSampler Lightning injects explicitly (Lightning reads
+        # PL_GLOBAL_SEED only when no seed is given): no environment variable carries it.
+        kwargs = dict(super().distributed_sampler_kwargs)  # type: ignore[misc]
+        if self.seed is not None:
+            kwargs["seed"] = self.seed
+        return kwargs
+
+    # ------------------------------------------------------------------ collectives Lightning makes
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        import torch
+        from torch import Tensor
+
+        from lightning_sync.sampling import is_integer_mean
+
+        exact = self.part(ExactEvalPart)
+        if exact is not None and isinstance(tensor, Tensor):
+            exact.check_step_collective(self, "self.log(..., sync_dist=True)")
+            if is_integer_mean(tensor, reduce_op):  # self.log's sample count: a float mean is exact
+                dtype = torch.get_default_dtype() if torch.get_default_dtype() == torch.float64 else torch.float32
+                return self._guarded_reduce(tensor.to(dtype), group, reduce_op)
+        return self._guarded_reduce(tensor, group, reduce_op)
+
+    def _guarded_reduce(self, tensor: Any, group: Any | None, reduce_op: Any) -> Any:
+        # One guarded check for Lightning's barrier + all_reduce pair (self.log(sync_dist=True)).
+        from torch import Tensor
+
+        guard = self.part(GuardPart)
+        if guard is None or guard.guard is None or not isinstance(tensor, Tensor):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+        op = reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1].lower()
+        match = f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(map(str, tensor.shape))}] op={op}"
+        with guard.guarded("strategy.reduce", match, group):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        from torch import Tensor
+
+        from lightning_sync.collectives import check_same_layout
+
+        exact = self.part(ExactEvalPart)
+        if exact is not None:
+            exact.check_step_collective(self, "all_gather")
+        strategy: Any = self
+        if isinstance(tensor, Tensor) and strategy.world_size > 1:
+            # torch's all_gather needs one shape on every rank; with another, gloo aborts one rank and hands
+            # the other garbage. Exact evaluation gives ranks last batches of different sizes, so say so first.
+            check_same_layout(tensor, "self.all_gather", ALL_GATHER_FIX if exact is not None else "", group=group)
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ Lightning's strategy steps
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)  # type: ignore[misc]
+        for p in self._parts:
+            p.setup(self, trainer)
+        install_first(trainer, [cb for p in self._parts for cb in p.callbacks(self)])
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
+        for p in self._parts:
+            dataloader = p.process_dataloader(self, dataloader, trainer)
+        return dataloader
+
+    def barrier(self, name: str | None = None) -> None:
+        module = getattr(self, "lightning_module", None)
+        if _compat.is_run_stage_barrier(name) and module is not None:
+            for p in self._parts:
+                p.run_stage_started(self, module.trainer)
+        super().barrier(name)  # type: ignore[misc]
+
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        module = getattr(self, "lightning_module", None)
+        trainer = module.trainer if module is not None else None
+        for p in self._parts:
+            p.on_train_start(self, trainer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None) -> None:
+        for p in self._parts:  # called on every rank by trainer.save_checkpoint
+            p.on_save_checkpoint(self, checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        # Lightning passes weights_only from 2.6.0 on; older ones have no such parameter.
+        checkpoint: dict[str, Any] = super().load_checkpoint(  # type: ignore[misc]
+            checkpoint_path, **_compat.load_checkpoint_kwargs(weights_only))
+        trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        for p in self._parts:
+            p.on_load_checkpoint(self, checkpoint, fitting)
+        return checkpoint
+
+    def _configure_launcher(self) -> None:  # compat: Lightning's launcher hook (_compat.TOUCH_POINTS)
+        super()._configure_launcher()  # type: ignore[misc]
+        strategy: Any = self
+        if _compat.start_method(strategy) == "popen":  # under Hydra: ranks replay only their job (launcher.py)
+            from lightning_sync.launcher import HydraDDPLauncher, hydra_active
+
+            if hydra_active():
+                assert strategy.cluster_environment is not None
+                _compat.set_launcher(strategy, HydraDDPLauncher(strategy.cluster_environment, strategy.num_processes,
+                                                                strategy.num_nodes))
+        for p in self._parts:
+            p.configure_launcher(self)
+
+    def on_exception(self, exception: BaseException) -> None:
+        for p in self._parts:
+            p.on_exception(self, exception)
+        super().on_exception(exception)  # type: ignore[misc]
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+
+        for p in self._parts:
+            p.before_teardown(self)
+        super().teardown()  # type: ignore[misc]  # unwraps the model, reverts layer sync, moves it to CPU
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        try:
+            if not self._failed:
+                for p in self._parts:
+                    p.closing(self)
+        except BaseException:
+            self._failed = True
+            raise
+        finally:
+            for p in self._parts:
+                p.after_teardown(self)

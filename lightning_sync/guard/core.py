@@ -109,11 +109,17 @@ class CollectiveGuard:
         check_every: accepted for compatibility; the guard no longer waits before collectives, so
             there is nothing to sample (every collective is compared).
         interval: seconds between two turns of the watchdog (publish, compare, heartbeat).
+        confirm_first: on gloo, hold every checked collective until the neighbouring rank confirmed
+            the same one (through the store, one watchdog turn: ~10 ms) before its data moves. For
+            programs whose other collectives the guard does not see (FSDP2's all-gathers and
+            reduce-scatters, trusted): a collective on one rank only would otherwise pair on the wire
+            with one of those, and gloo aborts the process on the size mismatch. The default (False)
+            compares shapes with one small exchange on the process group instead.
     """
 
     def __init__(self, timeout: float = 120.0, hang_timeout: float | None = None, match_call_sites: bool = True,
                  stream: IO[str] | None = None, history: int = 8, check_every: int = 1,
-                 interval: float = 0.1) -> None:
+                 interval: float = 0.1, confirm_first: bool = False) -> None:
         if not isinstance(check_every, int) or check_every < 1:
             raise ValueError(f"CollectiveGuard(check_every={check_every!r}): must be a positive int.")
         if not timeout > 0:
@@ -129,6 +135,7 @@ class CollectiveGuard:
         self.stream = stream
         self.history_size = history
         self.interval = interval
+        self.confirm_first = bool(confirm_first)
         self.context: Callable[[], str | None] | None = None
         self._recorder: Recorder | None = None
         self._monitor: Monitor | None = None
@@ -163,7 +170,8 @@ class CollectiveGuard:
     def __getstate__(self) -> dict[str, Any]:
         # The strategy travels to spawned ranks pickled: send the settings, not the live state.
         return {"timeout": self.timeout, "hang_timeout": self._hang_timeout, "match_call_sites": self.match_call_sites,
-                "history": self.history_size, "check_every": self.check_every, "interval": self.interval}
+                "history": self.history_size, "check_every": self.check_every, "interval": self.interval,
+                "confirm_first": self.confirm_first}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
@@ -284,8 +292,11 @@ class CollectiveGuard:
         """
         if not self.active or self._depth:
             return _NOTHING
-        if self._record(op, match, group, sys._getframe(1)) is None:
+        fp = self._record(op, match, group, sys._getframe(1))
+        if fp is None:
             return _NOTHING
+        if self.confirm_first and _on_gloo(group):
+            self._wait_confirmed(fp, op)
         return _Guarded(self)
 
     def check(self, op: str, match: str = "", group: Any = None, _skip: int = 1) -> None:
@@ -298,8 +309,13 @@ class CollectiveGuard:
                 call sites, or when a rank did not get there within ``timeout``.
         """
         fp = self._record(op, match, group, sys._getframe(_skip))
+        if fp is not None:
+            self._wait_confirmed(fp, op)
+
+    def _wait_confirmed(self, fp: Fingerprint, op: str) -> None:
+        """Block until the neighbouring rank's sequence confirms ``fp`` (or raise the guard's failure)."""
         monitor, recorder = self._monitor, self._recorder
-        if fp is None or monitor is None or recorder is None or monitor.exchange.neighbour(self._stream) is None:
+        if monitor is None or recorder is None or monitor.exchange.neighbour(self._stream) is None:
             return
         previous = recorder.enter(self._stream)
         woken = 0.0
@@ -358,6 +374,8 @@ class CollectiveGuard:
         fp = self._record(name, "", group, sys._getframe(1))
         if fp is None:
             return 0
+        if self.confirm_first and _on_gloo(group):
+            self._wait_confirmed(fp, name)
         return zlib.crc32("\x1f".join(fp.key(self.match_call_sites)).encode()) or 1
 
     def _collectives_mismatch(self, name: str, group: Any, tokens: dict[int, int]) -> BaseException:
@@ -468,6 +486,13 @@ class CollectiveGuard:
                 stream.flush()
             except (OSError, ValueError):
                 pass
+
+
+def _on_gloo(group: Any) -> bool:
+    try:
+        return "gloo" in str(dist.get_backend(group)).lower()
+    except (ValueError, RuntimeError):  # not a member of the group
+        return False
 
 
 def _flight_recorder_tail(n: int = 4) -> list[str]:

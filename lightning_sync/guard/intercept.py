@@ -176,10 +176,14 @@ class Interceptor:
             if checks_ddp and guard._module is not None and isinstance(tensor, Tensor):
                 guard._reject_managed(tensor, frame)
             group = _arg(args, kwargs, group_at)
-            if guard._record(name, match, group, frame) is None:
+            fp = guard._record(name, match, group, frame)
+            if fp is None:
                 return fn(*args, **kwargs)  # this rank is not in the group
-            if same_shape and isinstance(tensor, Tensor) and runs_on_gloo(name, args, kwargs):
-                guard._check_layout(name, tensor, group)
+            if runs_on_gloo(name, args, kwargs):
+                if guard.confirm_first:  # the neighbour confirms this very call (shapes included) first
+                    guard._wait_confirmed(fp, name)
+                elif same_shape and isinstance(tensor, Tensor):
+                    guard._check_layout(name, tensor, group)
             guard._depth += 1
             try:
                 return run(fn, name, args, kwargs)

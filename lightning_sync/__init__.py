@@ -1,6 +1,6 @@
 """lightning_sync: explicit, checked data synchronisation for PyTorch Lightning DDP.
 
-``import lightning_sync`` registers the strategy names ``"ddp_sync"``, ``"ddp_sync_spawn"`` and
+``import lightning_sync`` registers the strategy names ``"ddp_sync"``, ``"ddp_sync_spawn"``, ``"model_parallel_sync"`` and
 ``"ddp_sync_notebook"`` (Jupyter). ``lightning_sync.pl`` is the same API for the ``pytorch_lightning``
 package (its classes subclass ``pytorch_lightning``'s; ``lightning_sync._namespace`` builds it from
 these files); ``import lightning_sync`` imports it, registering the names in ``pytorch_lightning``'s
@@ -30,9 +30,11 @@ from lightning_sync.errors import (
 )
 from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.seeding import SeedLineage, derive_seed
+from lightning_sync.model_parallel import SyncModelParallelStrategy, register as _register_model_parallel
 from lightning_sync.strategy import SyncDDPStrategy, register as _register
 
 _register(_strategy_registry)
+_register_model_parallel(_strategy_registry)
 
 __version__ = "0.1.0"
 
@@ -56,6 +58,7 @@ __all__ = [
     "SyncBatchNorm",
     "SyncBatchNormConversion",
     "SyncDDPStrategy",
+    "SyncModelParallelStrategy",
     "UnevenEvaluationError",
     "ValidationGather",
     "collectives",

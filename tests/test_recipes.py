@@ -47,6 +47,7 @@ RUNS: dict[str, str] = {
     "distributed_sampler.py": "test_distributed_sampler_shards_and_set_epoch",
     "init_process_group.py": "test_init_process_group_env_and_file_rendezvous",
     "predict_to_parquet.py": "test_predict_to_parquet_index_once_in_order",
+    "fsdp2.py": "test_fsdp2_validation_equals_one_process_under_model_parallel_sync",
 }
 
 
@@ -182,6 +183,20 @@ def test_syncbn_running_stats_are_union_statistics(tmp_path: Path) -> None:
         assert "SyncBatchNorm" in layer and float(error) < 1e-4, stats
     assert stats[0][1] == stats[1][1]
     assert "running statistics identical across 2 ranks: True" in out
+
+
+@pytest.mark.slow
+@ONE_RUN
+def test_fsdp2_validation_equals_one_process_under_model_parallel_sync(tmp_path: Path) -> None:
+    for strategy in ("model_parallel_sync", "model_parallel"):
+        out = script("fsdp2.py", "--strategy", strategy, "--max-epochs", "1", cwd=tmp_path)
+        m = re.search(rf"{strategy}: val_mse {NUM} over 1001 samples, one process {NUM}, root seed (\w+)", out)
+        assert m, out
+        logged, one = float(m.group(1)), float(m.group(2))
+        if strategy == "model_parallel_sync":
+            assert logged == pytest.approx(one, rel=1e-5) and m.group(3) == "7"
+        else:  # Lightning's padded sampler: one sample counted twice
+            assert logged != pytest.approx(one, rel=1e-6) and m.group(3) == "None"
 
 
 @pytest.mark.slow

@@ -1,0 +1,76 @@
+"""``SyncModelParallelStrategy``: Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallelism
+applied in ``configure_model``) with the parts of ``lightning_sync.parts`` that fit it.
+
+Registered as ``"model_parallel_sync"`` by ``import lightning_sync``. See docs/fsdp.md.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+from lightning.pytorch.strategies import ModelParallelStrategy
+from typing_extensions import override
+
+from lightning_sync._compat.lightning_api import StrategyRegistryType
+from lightning_sync.collectives import validate_seed
+from lightning_sync.guard.core import CollectiveGuard
+from lightning_sync.parts.mixin import SyncStrategyMixin
+from lightning_sync.parts.defaults import default_parts
+
+__all__ = ["SyncModelParallelStrategy"]
+
+_DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default_pg_timeout, Lightning's default here
+
+
+class SyncModelParallelStrategy(SyncStrategyMixin, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` with a broadcast root seed (``configure_model`` runs under
+    it: the full parameters built there are identical on every rank before ``fully_shard``), exact
+    evaluation, the collective guard, the resumable training data path with every rank's loader
+    position and RNG state in the (sharded) checkpoint, SLURM requeue at a step boundary and a clean
+    teardown. Uneven training batches are an error at epoch start (as ``ddp_sync``'s default).
+
+    Accepts every :class:`~lightning.pytorch.strategies.ModelParallelStrategy` argument, plus
+    ``seed``, ``guard``, ``guard_timeout``, ``exact_eval`` and ``resume``, as
+    :class:`~lightning_sync.SyncDDPStrategy` documents them. Exact evaluation shards over the
+    data-parallel ranks (``distributed_sampler_kwargs``), as Lightning's sampler does.
+    """
+
+    strategy_name = "model_parallel_sync"
+
+    def __init__(self, data_parallel_size: Literal["auto"] | int = "auto",
+                 tensor_parallel_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
+                 process_group_backend: str | None = None, timeout: timedelta | None = _DEFAULT_TIMEOUT, *,
+                 seed: int | None = None, guard: bool | CollectiveGuard = True, guard_timeout: float | None = None,
+                 exact_eval: bool = True, resume: str | None = None) -> None:
+        validate_seed(seed, "SyncModelParallelStrategy(seed=...)")
+        if resume is not None and not isinstance(resume, str):
+            raise TypeError(f"SyncModelParallelStrategy(resume={resume!r}): use None, 'auto' or a directory path.")
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.exact_eval = bool(exact_eval)
+        self._init_parts(default_parts(seed=seed, guard=guard, guard_timeout=guard_timeout, uneven_batches="error",
+                                       resume=resume, exact_eval=exact_eval))
+        if self.guard is not None:
+            # FSDP2's own all-gathers and reduce-scatters are trusted (not checked): a collective on one rank
+            # only must be confirmed by the others before its data moves, or gloo pairs it with one of those
+            self.guard.confirm_first = True
+
+    @override
+    def _setup_distributed(self) -> None:  # compat: where ModelParallelStrategy creates its group (_compat)
+        # Lightning's ModelParallelStrategy has no setup_distributed: setup_environment calls this, then
+        # builds the device mesh; configure_model runs after, under the root seed agreed here.
+        self._sync_setup_distributed(super()._setup_distributed)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
+        register(strategy_registry)
+
+
+def register(strategy_registry: StrategyRegistryType) -> None:
+    """Register ``"model_parallel_sync"`` (idempotent)."""
+    if "model_parallel_sync" not in strategy_registry:
+        strategy_registry.register("model_parallel_sync", SyncModelParallelStrategy,
+                                   description="ModelParallelStrategy (FSDP2) with lightning_sync's parts")

@@ -1,0 +1,147 @@
+"""FSDP2 (``fully_shard`` in ``configure_model``) on 2 CPU ranks under Lightning's ModelParallelStrategy
+or lightning_sync's SyncModelParallelStrategy; each run writes OUT/<tag>/rank{r}.json (and rank 0 the
+full weights, OUT/<tag>/full.pt).
+
+python tests/scripts/fit_fsdp2.py --out DIR --strategy model_parallel|model_parallel_sync --phase PHASE
+
+``eval``: validate over 1001 samples (an ordinary ``self.log(..., sync_dist=True)`` of the batch MSE
+and a torchmetrics MeanSquaredError). ``full`` / ``stop`` / ``resume``: 3 epochs of 50 samples (batch
+4, 7 steps a rank), uninterrupted; stopped after step 10 with a sharded checkpoint every 5 steps;
+resumed from that checkpoint (OUT/stop/last.ckpt). Every step records its batch's indices and the
+augmentation drawn in ``__getitem__``. ``guard``: rank 0 alone calls ``dist.all_reduce`` at step 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torchmetrics
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_sync as ls
+
+
+class Points(Dataset):
+    """Fixed features and targets; with ``augment`` a noise draw from the global generator (the rank's)."""
+
+    def __init__(self, n: int, augment: bool = False) -> None:
+        self.n, self.augment = n, augment
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, float, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(8, generator=g)
+        noise = float(torch.rand(1)) if self.augment else 0.0
+        return i, x + 0.1 * noise, noise, (x[:2].sum() + 0.5 * (i % 3)).reshape(1)
+
+
+def build() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
+
+
+class Model(L.LightningModule):
+    def __init__(self, bad_step: int = -1) -> None:
+        super().__init__()
+        self.steps: list[list[Any]] = []
+        self.mse = torchmetrics.MeanSquaredError()
+        self.bad_step = bad_step
+
+    def configure_model(self) -> None:
+        if hasattr(self, "net"):  # called again by a later trainer call
+            return
+        self.net = build()  # under SyncModelParallelStrategy: the root seed, identical on every rank
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.net[0], self.net[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.bad_step and self.global_rank == 0:
+            dist.all_reduce(torch.ones(1))  # the classic mistake: a collective on one rank only
+        idx, x, aug, y = batch
+        self.steps.append([self.current_epoch, idx.tolist(), [round(float(a), 7) for a in aug]])
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        _, x, _, y = batch
+        pred = self.net(x)
+        self.log("val_mse", nn.functional.mse_loss(pred, y), sync_dist=True, batch_size=len(y))
+        self.mse(pred, y)
+        self.log("val_mse_metric", self.mse)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def report(out: Path, trainer: L.Trainer, model: Model, **extra: Any) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    r = trainer.global_rank
+    if r == 0:
+        torch.save({k: v.detach().clone() for k, v in full.items()}, out / "full.pt")
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    (out / f"rank{r}.json").write_text(json.dumps({"rank": r, "steps": model.steps, "metrics": metrics,
+                                                   "seed": getattr(trainer.strategy, "seed", None), **extra}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--strategy", default="model_parallel_sync")
+    p.add_argument("--phase", required=True, choices=["eval", "full", "stop", "resume", "guard"])
+    args = p.parse_args()
+    out = args.out / args.phase
+    sync = args.strategy == "model_parallel_sync"
+    torch.manual_seed(int(os.environ.get("LOCAL_RANK", 0)) + 11)  # ranks start apart
+    # FSDP2 over both ranks: Lightning's "auto" sizes are data_parallel=num_nodes (1), tensor_parallel=2
+    kwargs: dict[str, Any] = {"data_parallel_size": 2, "tensor_parallel_size": 1}
+    if sync:
+        kwargs.update(seed=1234, guard_timeout=10)
+    if args.phase == "resume" and sync:
+        kwargs.pop("seed")  # the checkpoint's root seed is adopted
+    strategy = (ls.SyncModelParallelStrategy(**kwargs) if sync
+                else L.pytorch.strategies.ModelParallelStrategy(**kwargs))
+    callbacks: list[L.Callback] = []
+    max_steps, ckpt = -1, None
+    if args.phase == "stop":
+        max_steps = 10
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_train_steps=5, save_top_k=-1,
+                                                             save_last=True))
+    if args.phase == "resume":
+        ckpt = str(args.out / "stop" / "last.ckpt")
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, max_steps=max_steps,
+                        logger=False, enable_checkpointing=args.phase == "stop", callbacks=callbacks,
+                        num_sanity_val_steps=0, limit_val_batches=None if args.phase == "eval" else 0,
+                        default_root_dir=out)
+    model = Model(bad_step=2 if args.phase == "guard" else -1)
+    if args.phase == "eval":
+        trainer.validate(model, DataLoader(Points(1001), batch_size=16))
+        report(out, trainer, model)
+        return
+    loader = DataLoader(Points(50, augment=True), batch_size=4, shuffle=True)
+    if args.phase == "guard":
+        try:
+            trainer.fit(model, loader)
+        except Exception as err:  # noqa: BLE001 - every rank records what it raised
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"rank{trainer.global_rank}.json").write_text(json.dumps({"error": f"{type(err).__name__}: {err}", "chain": __import__("traceback").format_exception(err)}))
+            raise
+        return
+    trainer.fit(model, loader, ckpt_path=ckpt)
+    report(out, trainer, model, global_step=trainer.global_step)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""SyncModelParallelStrategy ("model_parallel_sync") with FSDP2 on 2 CPU ranks (gloo), each beside the same
+run under Lightning's ModelParallelStrategy: exact evaluation, a bit-exact mid-epoch resume from the
+sharded (DCP) checkpoint, and a collective on one rank only. The runs: tests/scripts/fit_fsdp2.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.fsdp
+
+from tests.launch import load_script
+
+SCRIPT = Path(__file__).parent / "scripts" / "fit_fsdp2.py"
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "fully_shard"),
+                                reason="torch.distributed.fsdp.fully_shard (FSDP2) is not in this torch")
+
+
+def _run(out: Path, strategy: str, phase: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPT), "--out", str(out),
+                           "--strategy", strategy, "--phase", phase], capture_output=True, text=True,
+                          timeout=timeout + 20, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _ok(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+def _reports(out: Path, phase: str) -> list[dict[str, Any]]:
+    return [json.loads((out / phase / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _one_process_mse(weights: Path, n: int = 1001) -> float:
+    mod = load_script(SCRIPT)
+    net = mod.build()
+    net.load_state_dict({k.removeprefix("net."): v for k, v in torch.load(weights).items()})
+    net.eval()
+    data = mod.Points(n)
+    x = torch.stack([data[i][1] for i in range(n)])
+    y = torch.stack([data[i][3] for i in range(n)])
+    with torch.no_grad():
+        return float(((net(x) - y) ** 2).mean())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", ["model_parallel_sync", "model_parallel"])
+def test_evaluation_and_mid_epoch_resume(strategy: str, tmp_path: Path) -> None:
+    sync = strategy == "model_parallel_sync"
+    for phase in ("eval", "full", "stop", "resume"):
+        _ok(_run(tmp_path, strategy, phase))
+    # evaluation over 1001 samples: sync_dist and a torchmetrics metric against one process on the set
+    reference = _one_process_mse(tmp_path / "eval" / "full.pt")
+    for rep in _reports(tmp_path, "eval"):
+        logged = rep["metrics"]
+        if sync:
+            assert rep["seed"] == 1234
+            assert logged["val_mse"] == pytest.approx(reference, rel=1e-6)
+            assert logged["val_mse_metric"] == pytest.approx(reference, rel=1e-6)
+        else:  # Lightning's padded sampler counts a repeated sample: measured 2.26201 vs 2.26250
+            assert logged["val_mse"] != pytest.approx(reference, rel=1e-5)
+    # resume from the sharded checkpoint of step 10 (mid-epoch: 13 steps an epoch per rank)
+    full, stop, resumed = (_reports(tmp_path, p) for p in ("full", "stop", "resume"))
+    for r in range(2):
+        assert stop[r]["steps"] == full[r]["steps"][:10]
+        assert full[0]["steps"][0][1] != full[1]["steps"][0][1]  # the ranks train on different batches
+        same_batches = resumed[r]["steps"] == full[r]["steps"][10:]
+        assert same_batches if sync else not same_batches, f"rank {r}"
+    a, b = torch.load(tmp_path / "full" / "full.pt"), torch.load(tmp_path / "resume" / "full.pt")
+    same_weights = all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights if sync else not same_weights
+    assert (tmp_path / "stop" / "last.ckpt").is_dir()  # Lightning's distributed checkpoint: one directory
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_collective_on_one_rank_only_names_both_ranks_instead_of_crashing() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = _run(Path(tmp), "model_parallel_sync", "guard", timeout=120)
+        assert proc.returncode != 0
+        for rank, rep in enumerate(_reports(Path(tmp), "guard")):
+            text = rep["error"]
+            if rank == 1 and "CollectiveMismatchError" not in text:
+                # seen once in 5 runs: rank 0's exit closed the socket before rank 1 raised the posted error;
+                # its guard still reported it
+                assert "rank 1: rank 0 raised CollectiveMismatchError" in proc.stderr
+                continue
+            assert text.startswith("CollectiveMismatchError: rank(s) 1 did not reach guarded collective")
+            assert "rank 0 at fit_fsdp2.py:" in text and "training_step: all_reduce float32[1] op=sum" in text
+        assert "Received data size doesn't match" not in proc.stderr  # gloo never saw the stray all_reduce
+    # Lightning's ModelParallelStrategy: gloo pairs rank 0's all_reduce with FSDP2's all-gather on rank 1
+    # and aborts a process, or the run hangs until this test's limit
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = _run(Path(tmp), "model_parallel", "guard", timeout=60)
+        assert proc.returncode != 0 and "CollectiveMismatchError" not in proc.stdout + proc.stderr

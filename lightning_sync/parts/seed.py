@@ -34,7 +34,8 @@ class SeedLineagePart(Part):
             rank_zero_info(lineage.describe())
 
     def setup(self, strategy: Any, trainer: Any) -> None:
-        assert self.lineage is not None
+        if self.lineage is None:  # set up without a process group (strategy.setup called directly)
+            return
         # Model set-up (configure_model, DDP's broadcast) is done: from here on each rank draws its own
         # random numbers. A checkpoint being resumed supplies the exact states instead.
         self.lineage.load_checkpoint_state(self.pending_state, strategy.global_rank)

@@ -37,8 +37,24 @@ def _serve_every_ddp_name() -> None:
     strategies.DDPStrategy = SyncDDPStrategy  # type: ignore[misc]
 
 
+def _serve_model_parallel() -> None:
+    """LSYNC_AS_MODEL_PARALLEL=1: ``ModelParallelStrategy`` (the class and the registry name) served by
+    ``SyncModelParallelStrategy``."""
+    import lightning.pytorch.strategies as strategies
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_sync import SyncModelParallelStrategy
+
+    if "model_parallel" in StrategyRegistry:
+        StrategyRegistry.register("model_parallel", SyncModelParallelStrategy, override=True,
+                                  description="model_parallel served by SyncModelParallelStrategy")
+    strategies.ModelParallelStrategy = SyncModelParallelStrategy  # type: ignore[misc]
+
+
 def pytest_sessionstart(session: Any) -> None:
     import os
 
     if os.environ.get("LSYNC_AS_DDP") == "all":
         _serve_every_ddp_name()
+    if os.environ.get("LSYNC_AS_MODEL_PARALLEL") == "1":
+        _serve_model_parallel()

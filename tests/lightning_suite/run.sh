@@ -51,6 +51,15 @@ if [ "$mode" = folders ] || [ "$mode" = folders_sync ]; then
   LSYNC_AS_DDP=all "$PY" -m pytest "${FOLDERS[@]}" "${common[@]}" -rfE -p lsync_as_ddp >"$WORK/folders_sync.log" 2>&1 || true
   tail -n 3 "$WORK/folders_sync.log"
 fi
+if [ "$mode" = model_parallel ]; then
+  # Lightning's ModelParallelStrategy tests (those that run on CPU), then with the class served by
+  # SyncModelParallelStrategy
+  MP=(strategies/test_model_parallel.py strategies/test_model_parallel_integration.py)
+  echo "== Lightning $TAG, ${MP[*]}, Lightning's ModelParallelStrategy"
+  "$PY" -m pytest "${common[@]}" "${MP[@]}" || true
+  echo "== Lightning $TAG, ${MP[*]}, ModelParallelStrategy = lightning_sync.SyncModelParallelStrategy"
+  LSYNC_AS_MODEL_PARALLEL=1 "$PY" -m pytest "${common[@]}" -p lsync_as_ddp "${MP[@]}" || true
+fi
 if [ "$mode" = all ] || [ "$mode" = standalone ]; then
   # Each standalone test in its own pytest process (Lightning's launcher re-runs the command line
   # for rank 1), as Lightning's CI runs them.

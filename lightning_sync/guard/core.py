@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sync import collectives
-from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, default_store, flight_recorder_dump, rank_not_in_group
+from lightning_sync._compat.torch_api import (DDP_IGNORE_ATTR, all_gather_single, default_store, flight_recorder_dump,
+                                             rank_not_in_group)
 from lightning_sync.errors import CollectiveMismatchError, LightningSyncError, RankMismatchError
 from lightning_sync.guard import report
 from lightning_sync.guard.callsite import CallSites
@@ -109,12 +110,14 @@ class CollectiveGuard:
         check_every: accepted for compatibility; the guard no longer waits before collectives, so
             there is nothing to sample (every collective is compared).
         interval: seconds between two turns of the watchdog (publish, compare, heartbeat).
-        confirm_first: on gloo, hold every checked collective until the neighbouring rank confirmed
-            the same one (through the store, one watchdog turn: ~10 ms) before its data moves. For
-            programs whose other collectives the guard does not see (FSDP2's all-gathers and
-            reduce-scatters, trusted): a collective on one rank only would otherwise pair on the wire
-            with one of those, and gloo aborts the process on the size mismatch. The default (False)
-            compares shapes with one small exchange on the process group instead.
+        confirm_first: on gloo, before a checked collective's data moves, every rank's token of it
+            (op, shapes, call site) is compared in one 8-byte all-gather on a gloo group of the
+            guard's own. For programs whose other collectives the guard does not see (FSDP2's
+            all-gathers and reduce-scatters, trusted): a check on the program's group, or a
+            collective on one rank only, would pair on the wire with one of those, and gloo aborts
+            the process on the size mismatch. A rank that never reaches the call is named after
+            ``timeout``. The default (False) compares shapes with one small exchange on the call's
+            own group.
     """
 
     def __init__(self, timeout: float = 120.0, hang_timeout: float | None = None, match_call_sites: bool = True,
@@ -136,6 +139,7 @@ class CollectiveGuard:
         self.history_size = history
         self.interval = interval
         self.confirm_first = bool(confirm_first)
+        self._side_group: Any = None  # confirm_first's own gloo group (made at install)
         self.context: Callable[[], str | None] | None = None
         self._recorder: Recorder | None = None
         self._monitor: Monitor | None = None
@@ -249,6 +253,8 @@ class CollectiveGuard:
         self._monitor.group_alive = dist.is_initialized
         self._monitor.owner_stop = self.uninstall
         self._monitor.start()
+        if self.confirm_first and self._side_group is None:
+            self._side_group = dist.new_group(backend="gloo")  # every rank installs: a collective like the rest
         self._interceptor = Interceptor(self)
         self._interceptor.install()
         collectives.register_guard(self._collectives_hook, self._collectives_mismatch)
@@ -273,6 +279,7 @@ class CollectiveGuard:
             self._interceptor.uninstall()
             self._interceptor = None
         collectives.unregister_guard(self._collectives_hook)
+        self._side_group = None  # (not destroyed: a given-up exchange may still hold it; the default group's end ends it)
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
             monitor.leave()
@@ -296,7 +303,7 @@ class CollectiveGuard:
         if fp is None:
             return _NOTHING
         if self.confirm_first and _on_gloo(group):
-            self._wait_confirmed(fp, op)
+            self._confirm(fp, op, group)
         return _Guarded(self)
 
     def check(self, op: str, match: str = "", group: Any = None, _skip: int = 1) -> None:
@@ -311,6 +318,26 @@ class CollectiveGuard:
         fp = self._record(op, match, group, sys._getframe(_skip))
         if fp is not None:
             self._wait_confirmed(fp, op)
+
+    def _confirm(self, fp: Fingerprint, op: str, group: Any) -> None:
+        """``confirm_first``: compare every rank's token of ``fp`` on the guard's own group before the call's
+        data moves (subgroups: through the store, one watchdog turn). Raises on every rank on a mismatch."""
+        side = self._side_group
+        if side is None or not (group is None or group is dist.GroupMember.WORLD):
+            self._wait_confirmed(fp, op)
+            return
+        token = zlib.crc32("\x1f".join(fp.key(self.match_call_sites)).encode()) or 1
+        world = dist.get_world_size()
+        mine = torch.tensor([token], dtype=torch.int64)
+        every = torch.empty(world, dtype=torch.int64)
+        self._depth += 1  # the exchange itself is not a user's collective
+        try:
+            all_gather_single(every, mine, group=side)
+        finally:
+            self._depth -= 1
+        tokens = every.tolist()
+        if len(set(tokens)) > 1:
+            raise self._collectives_mismatch(op, None, dict(enumerate(tokens)))
 
     def _wait_confirmed(self, fp: Fingerprint, op: str) -> None:
         """Block until the neighbouring rank's sequence confirms ``fp`` (or raise the guard's failure)."""
@@ -375,7 +402,7 @@ class CollectiveGuard:
         if fp is None:
             return 0
         if self.confirm_first and _on_gloo(group):
-            self._wait_confirmed(fp, name)
+            self._confirm(fp, name, group)
         return zlib.crc32("\x1f".join(fp.key(self.match_call_sites)).encode()) or 1
 
     def _collectives_mismatch(self, name: str, group: Any, tokens: dict[int, int]) -> BaseException:

@@ -180,8 +180,8 @@ class Interceptor:
             if fp is None:
                 return fn(*args, **kwargs)  # this rank is not in the group
             if runs_on_gloo(name, args, kwargs):
-                if guard.confirm_first:  # the neighbour confirms this very call (shapes included) first
-                    guard._wait_confirmed(fp, name)
+                if guard.confirm_first:  # every rank's token of this very call (shapes included) first
+                    guard._confirm(fp, name, group)
                 elif same_shape and isinstance(tensor, Tensor):
                     guard._check_layout(name, tensor, group)
             guard._depth += 1

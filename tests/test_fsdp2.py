@@ -75,6 +75,7 @@ def test_evaluation_and_mid_epoch_resume(strategy: str, tmp_path: Path) -> None:
         same_batches = resumed[r]["steps"] == full[r]["steps"][10:]
         assert same_batches if sync else not same_batches, f"rank {r}"
     a, b = torch.load(tmp_path / "full" / "full.pt"), torch.load(tmp_path / "resume" / "full.pt")
+    assert all(bool(torch.isfinite(v).all()) for v in [*a.values(), *b.values()]), "a run diverged"
     same_weights = all(torch.equal(a[k], b[k]) for k in a)
     assert same_weights if sync else not same_weights
     assert (tmp_path / "stop" / "last.ckpt").is_dir()  # Lightning's distributed checkpoint: one directory

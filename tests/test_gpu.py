@@ -8,7 +8,8 @@ collective guard around NCCL work, the NCCL barrier and teardown, torch's CUDA S
 Two ranks share the GPU over gloo with CUDA tensors: uneven gathers, seeds, the portable SyncBatchNorm.
 The Trainer runs on ``accelerator="gpu", devices=1`` with NCCL: native SyncBatchNorm, bf16-mixed,
 a bit-exact mid-epoch resume (dropout draws from the CUDA generator), ValidationGather and
-PredictionWriter with CUDA outputs, and ``lsync-train trainer=gpu_ddp``.
+PredictionWriter with CUDA outputs, ``lsync-train trainer=gpu_ddp``, and SyncModelParallelStrategy
+(FSDP2 over NCCL) with exact evaluation and a bit-exact resume.
 
 Everywhere without CUDA every test here is skipped with the reason "no CUDA device".
 """
@@ -308,3 +309,22 @@ def test_lsync_train_gpu_ddp_on_one_gpu(tmp_path: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["val_size"] == 359
     assert summary["val_acc"] >= 0.95, summary  # 0.9916 on 2 CPU ranks (README)
+
+
+@pytest.mark.timeout(600)
+def test_sync_model_parallel_strategy_fsdp2_on_one_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_fsdp2 import _one_process_mse
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    for phase in ("eval", "full", "stop", "resume"):
+        _script("fit_fsdp2.py", tmp_path, "--strategy", "model_parallel_sync", "--phase", phase,
+                "--accelerator", "gpu", "--devices", "1", "--lr", "0.01")
+    (ev,) = [json.loads((tmp_path / "eval" / "rank0.json").read_text())]
+    reference = _one_process_mse(tmp_path / "eval" / "full.pt")  # on the CPU, from the same weights
+    assert ev["seed"] == 1234 and ev["metrics"]["val_mse"] == pytest.approx(reference, rel=1e-4)
+    full, stop, resumed = (json.loads((tmp_path / p / "rank0.json").read_text())["steps"]
+                           for p in ("full", "stop", "resume"))
+    assert stop == full[:10] and resumed == full[10:]
+    a, b = torch.load(tmp_path / "full" / "full.pt"), torch.load(tmp_path / "resume" / "full.pt")
+    assert all(bool(torch.isfinite(v).all()) for v in a.values()), "the run diverged: the comparison would be empty"
+    assert all(torch.equal(a[k], b[k]) for k in a), "FSDP2 on one GPU: the resumed run ended with other weights"

@@ -52,8 +52,9 @@ def build() -> nn.Sequential:
 
 
 class Model(L.LightningModule):
-    def __init__(self, bad_step: int = -1) -> None:
+    def __init__(self, bad_step: int = -1, lr: float = 0.05) -> None:
         super().__init__()
+        self.lr = lr
         self.steps: list[list[Any]] = []
         self.mse = torchmetrics.MeanSquaredError()
         self.bad_step = bad_step
@@ -82,7 +83,7 @@ class Model(L.LightningModule):
         self.log("val_mse_metric", self.mse)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
 def report(out: Path, trainer: L.Trainer, model: Model, **extra: Any) -> None:
@@ -101,12 +102,15 @@ def main() -> None:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--strategy", default="model_parallel_sync")
     p.add_argument("--phase", required=True, choices=["eval", "full", "stop", "resume", "guard"])
+    p.add_argument("--accelerator", default="cpu", help="gpu: the tests' gpu tier (one process per GPU)")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--lr", type=float, default=0.05, help="SGD's (one rank's batches alone need a smaller one)")
     args = p.parse_args()
     out = args.out / args.phase
     sync = args.strategy == "model_parallel_sync"
     torch.manual_seed(int(os.environ.get("LOCAL_RANK", 0)) + 11)  # ranks start apart
     # FSDP2 over both ranks: Lightning's "auto" sizes are data_parallel=num_nodes (1), tensor_parallel=2
-    kwargs: dict[str, Any] = {"data_parallel_size": 2, "tensor_parallel_size": 1}
+    kwargs: dict[str, Any] = {"data_parallel_size": args.devices, "tensor_parallel_size": 1}
     if sync:
         kwargs.update(seed=1234, guard_timeout=10)
     if args.phase == "resume" and sync:
@@ -121,11 +125,12 @@ def main() -> None:
                                                              save_last=True))
     if args.phase == "resume":
         ckpt = str(args.out / "stop" / "last.ckpt")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, max_steps=max_steps,
+    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_epochs=3,
+                        max_steps=max_steps,
                         logger=False, enable_checkpointing=args.phase == "stop", callbacks=callbacks,
                         num_sanity_val_steps=0, limit_val_batches=None if args.phase == "eval" else 0,
                         default_root_dir=out)
-    model = Model(bad_step=2 if args.phase == "guard" else -1)
+    model = Model(bad_step=2 if args.phase == "guard" else -1, lr=args.lr)
     if args.phase == "eval":
         trainer.validate(model, DataLoader(Points(1001), batch_size=16))
         report(out, trainer, model)

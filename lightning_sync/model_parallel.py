@@ -13,7 +13,6 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_sync._compat.lightning_api import StrategyRegistryType
-from lightning_sync.collectives import validate_seed
 from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.parts.mixin import SyncStrategyMixin
 from lightning_sync.parts.defaults import default_parts
@@ -43,15 +42,13 @@ class SyncModelParallelStrategy(SyncStrategyMixin, ModelParallelStrategy):
                  process_group_backend: str | None = None, timeout: timedelta | None = _DEFAULT_TIMEOUT, *,
                  seed: int | None = None, guard: bool | CollectiveGuard = True, guard_timeout: float | None = None,
                  exact_eval: bool = True, resume: str | None = None) -> None:
-        validate_seed(seed, "SyncModelParallelStrategy(seed=...)")
-        if resume is not None and not isinstance(resume, str):
-            raise TypeError(f"SyncModelParallelStrategy(resume={resume!r}): use None, 'auto' or a directory path.")
+        parts = default_parts(owner="SyncModelParallelStrategy", seed=seed, guard=guard, guard_timeout=guard_timeout,
+                              uneven_batches="error", resume=resume, exact_eval=exact_eval)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.exact_eval = bool(exact_eval)
-        self._init_parts(default_parts(seed=seed, guard=guard, guard_timeout=guard_timeout, uneven_batches="error",
-                                       resume=resume, exact_eval=exact_eval))
+        self._init_parts(parts)
         if self.guard is not None:
             # FSDP2's own all-gathers and reduce-scatters are trusted (not checked): a collective on one rank
             # only must be confirmed by the others before its data moves, or gloo pairs it with one of those

@@ -15,11 +15,9 @@ from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import StrategyRegistryType
 from lightning_sync.callbacks.batchnorm import portable_layer_sync
 from lightning_sync.checkpoint_io import AtomicCheckpointIO
-from lightning_sync.collectives import validate_seed
 from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.parts.mixin import SyncStrategyMixin
 from lightning_sync.parts.defaults import default_parts
-from lightning_sync.parts.seed import SeedLineagePart
 
 __all__ = ["SyncDDPStrategy"]
 
@@ -65,23 +63,13 @@ class SyncDDPStrategy(SyncStrategyMixin, DDPStrategy):
                  guard_timeout: float | None = None, uneven_batches: str = "error", resume: str | None = None,
                  exact_eval: bool = True,
                  **kwargs: Any) -> None:
-        validate_seed(seed, "SyncDDPStrategy(seed=...)")
-        if resume is not None and not isinstance(resume, str):
-            raise TypeError(f"SyncDDPStrategy(resume={resume!r}): use None, 'auto' or a directory path.")
-        if uneven_batches not in ("error", "stop_together"):
-            raise ValueError(f"SyncDDPStrategy(uneven_batches={uneven_batches!r}): use 'error' or 'stop_together'.")
+        # the parts first: a bad argument of ours fails before Lightning builds anything
+        parts = default_parts(owner="SyncDDPStrategy", seed=seed, guard=guard, guard_timeout=guard_timeout,
+                              uneven_batches=uneven_batches, resume=resume, exact_eval=exact_eval)
         super().__init__(*args, **kwargs)
         self.uneven_batches = uneven_batches
         self.exact_eval = bool(exact_eval)
-        self._init_parts(default_parts(seed=seed, guard=guard, guard_timeout=guard_timeout,
-                                       uneven_batches=uneven_batches, resume=resume, exact_eval=exact_eval))
-
-    def _adopt_root(self, root: int) -> None:
-        """In the launching process of spawned/forked ranks: the root seed rank 0 agreed on (its next
-        ``fit``/``validate`` agrees on it again)."""
-        part = self.part(SeedLineagePart)
-        if part is not None:
-            part.adopt_root(root, self.world_size)
+        self._init_parts(parts)
 
     # ------------------------------------------------------------------ DDP's own steps
 

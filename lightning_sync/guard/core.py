@@ -32,7 +32,7 @@ from lightning_sync.errors import CollectiveMismatchError, LightningSyncError, R
 from lightning_sync.guard import report
 from lightning_sync.guard.callsite import CallSites
 from lightning_sync.guard.fingerprint import Fingerprint, Recorder
-from lightning_sync.guard.intercept import Interceptor
+from lightning_sync.guard.intercept import Interceptor, group_backend
 from lightning_sync.guard.protocol import Exchange, stream_key
 from lightning_sync.guard.watchdog import Monitor, StoreLostError, dump_stacks
 
@@ -516,10 +516,8 @@ class CollectiveGuard:
 
 
 def _on_gloo(group: Any) -> bool:
-    try:
-        return "gloo" in str(dist.get_backend(group)).lower()
-    except (ValueError, RuntimeError):  # not a member of the group
-        return False
+    backend = group_backend(group)  # (a mixed cpu:gloo,cuda:nccl group counts: no tensor to tell here)
+    return backend is not None and "gloo" in backend
 
 
 def _flight_recorder_tail(n: int = 4) -> list[str]:

@@ -29,7 +29,7 @@ from torch import Tensor
 from lightning_sync.guard.callsite import is_trusted
 from lightning_sync.guard.fingerprint import describe_tensor, op_name
 
-__all__ = ["GUARDED_OPS", "Interceptor", "abandon"]
+__all__ = ["GUARDED_OPS", "Interceptor", "abandon", "group_backend", "runs_on_gloo"]
 
 #: Collectives of the torch.distributed namespace that the guard intercepts. Point-to-point calls
 #: (send/recv) are left alone: their pairing legitimately differs by rank.
@@ -76,20 +76,25 @@ _GROUP_AT = {"all_reduce": 2, "all_gather": 2, "all_gather_into_tensor": 2, "all
 _abandoned: list[Any] = []
 
 
+def group_backend(group: Any) -> str | None:
+    """``group``'s backend in lower case (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"`` ...); None when this
+    rank is not a member (the call returns at once there)."""
+    try:
+        return str(dist.get_backend(group)).lower()
+    except (ValueError, RuntimeError):
+        return None
+
+
 def runs_on_gloo(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether this call goes to gloo: its group is gloo, or a mixed ``cpu:gloo,cuda:nccl`` group given CPU
     tensors. Only then is its work waited for in slices (``Work.wait(timeout)`` repeated) and its shapes
     compared before it runs (gloo aborts the process on a size mismatch); on NCCL both would stop the
     CPU until the GPU stream has caught up, at every guarded call, and the watchdog compares the shapes
     in the fingerprints instead, a turn later."""
-    group = _arg(args, kwargs, (_GROUP_AT.get(name, 99), "group"))
-    try:
-        backend = str(dist.get_backend(group)).lower()
-    except (ValueError, RuntimeError):  # not a member of the group: the call returns at once anyway
-        return False
+    backend = group_backend(_arg(args, kwargs, (_GROUP_AT.get(name, 99), "group")))
     if backend == "gloo":
         return True
-    if "gloo" not in backend:
+    if backend is None or "gloo" not in backend:
         return False
     first = args[0] if args else next(iter(kwargs.values()), None)
     if isinstance(first, (list, tuple)):
@@ -179,22 +184,25 @@ class Interceptor:
             fp = guard._record(name, match, group, frame)
             if fp is None:
                 return fn(*args, **kwargs)  # this rank is not in the group
-            if runs_on_gloo(name, args, kwargs):
+            gloo = runs_on_gloo(name, args, kwargs)
+            if gloo:
                 if guard.confirm_first:  # every rank's token of this very call (shapes included) first
                     guard._confirm(fp, name, group)
                 elif same_shape and isinstance(tensor, Tensor):
                     guard._check_layout(name, tensor, group)
             guard._depth += 1
             try:
-                return run(fn, name, args, kwargs)
+                return run(fn, name, args, kwargs, gloo)
             finally:
                 guard._depth -= 1
 
         guarded.__lightning_sync_guarded__ = True  # type: ignore[attr-defined]
         return guarded
 
-    def run(self, fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run one collective so that the guard's failure can still be raised while it waits."""
+    def run(self, fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+            gloo: bool | None = None) -> Any:
+        """Run one collective so that the guard's failure can still be raised while it waits (``gloo``: the
+        caller's :func:`runs_on_gloo` of this call, when it has it)."""
         guard = self.guard
         recorder = guard._recorder
         at = _ASYNC_AT.get(name)
@@ -202,7 +210,8 @@ class Interceptor:
             return fn(*args, **kwargs)
         previous = recorder.enter(guard._stream)
         try:
-            if at is None or kwargs.get("async_op") or len(args) > at or not runs_on_gloo(name, args, kwargs):
+            if at is None or kwargs.get("async_op") or len(args) > at or not (
+                    gloo if gloo is not None else runs_on_gloo(name, args, kwargs)):
                 try:
                     return fn(*args, **kwargs)
                 except RuntimeError as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lightning_sync.collectives import validate_seed
 from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.parts.base import Part
 from lightning_sync.parts.checkpoint import CheckpointStatePart
@@ -15,9 +16,20 @@ from lightning_sync.parts.uneven import UnevenBatchPart
 
 __all__ = ["default_parts"]
 
-def default_parts(*, seed: int | None = None, guard: bool | CollectiveGuard = True, guard_timeout: float | None = None,
-                  uneven_batches: str = "error", resume: str | None = None, exact_eval: bool = True) -> list[Part]:
-    """Every part, configured from the strategy's arguments (``SyncDDPStrategy``'s, which documents them)."""
+
+def default_parts(*, owner: str, seed: int | None = None, guard: bool | CollectiveGuard = True,
+                  guard_timeout: float | None = None, uneven_batches: str = "error", resume: str | None = None,
+                  exact_eval: bool = True) -> list[Part]:
+    """Every part, configured from the strategy's arguments (``SyncDDPStrategy``'s, which documents them).
+
+    Raises:
+        ValueError, TypeError: a bad argument, named as ``owner(name=...)`` (the strategy's class).
+    """
+    validate_seed(seed, f"{owner}(seed=...)")
+    if resume is not None and not isinstance(resume, str):
+        raise TypeError(f"{owner}(resume={resume!r}): use None, 'auto' or a directory path.")
+    if uneven_batches not in ("error", "stop_together"):
+        raise ValueError(f"{owner}(uneven_batches={uneven_batches!r}): use 'error' or 'stop_together'.")
     parts: list[Part] = []
     if guard:
         chosen = guard if isinstance(guard, CollectiveGuard) else CollectiveGuard()

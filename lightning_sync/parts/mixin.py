@@ -5,12 +5,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import PathLike
+from lightning_sync.collectives import check_same_layout
+from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.parts.base import Part
 from lightning_sync.parts.evaluation import ALL_GATHER_FIX, ExactEvalPart
 from lightning_sync.parts.guard import GuardPart
 from lightning_sync.parts.seed import SeedLineagePart
+from lightning_sync.resume import init_process_group_after_restart
+from lightning_sync.sampling import is_integer_mean
+from lightning_sync.seeding import SeedLineage
 from lightning_sync.strategy_callbacks import install_first
 
 __all__ = ["SyncStrategyMixin"]
@@ -50,10 +59,6 @@ class SyncStrategyMixin:
 
     def _sync_setup_distributed(self, create: Any) -> None:
         """Create the process group with ``create`` (the Lightning strategy's own step), the parts around it."""
-        import torch.distributed as dist
-
-        from lightning_sync.resume import init_process_group_after_restart
-
         for p in self._parts:
             p.before_setup_distributed(self)
         strategy: Any = self  # the Lightning strategy this mixin is combined with
@@ -80,14 +85,14 @@ class SyncStrategyMixin:
         return lineage.root if lineage is not None else None
 
     @property
-    def seed_lineage(self) -> Any:
-        """How every stream of this run derives from the root seed (a ``SeedLineage``; None without one)."""
+    def seed_lineage(self) -> SeedLineage | None:
+        """How every stream of this run derives from the root seed."""
         part = self.part(SeedLineagePart)
         return part.lineage if part is not None else None
 
     @property
-    def guard(self) -> Any:
-        """The collective guard (a ``CollectiveGuard``; ``None`` when turned off)."""
+    def guard(self) -> CollectiveGuard | None:
+        """The collective guard (``None`` when turned off)."""
         part = self.part(GuardPart)
         return part.guard if part is not None else None
 
@@ -103,11 +108,6 @@ class SyncStrategyMixin:
     # ------------------------------------------------------------------ collectives Lightning makes
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        import torch
-        from torch import Tensor
-
-        from lightning_sync.sampling import is_integer_mean
-
         exact = self.part(ExactEvalPart)
         if exact is not None and isinstance(tensor, Tensor):
             exact.check_step_collective(self, "self.log(..., sync_dist=True)")
@@ -118,8 +118,6 @@ class SyncStrategyMixin:
 
     def _guarded_reduce(self, tensor: Any, group: Any | None, reduce_op: Any) -> Any:
         # One guarded check for Lightning's barrier + all_reduce pair (self.log(sync_dist=True)).
-        from torch import Tensor
-
         guard = self.part(GuardPart)
         if guard is None or guard.guard is None or not isinstance(tensor, Tensor):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
@@ -129,10 +127,6 @@ class SyncStrategyMixin:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
 
     def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-        from torch import Tensor
-
-        from lightning_sync.collectives import check_same_layout
-
         exact = self.part(ExactEvalPart)
         if exact is not None:
             exact.check_step_collective(self, "all_gather")
@@ -206,8 +200,6 @@ class SyncStrategyMixin:
         super().on_exception(exception)  # type: ignore[misc]
 
     def teardown(self) -> None:
-        import torch.distributed as dist
-
         for p in self._parts:
             p.before_teardown(self)
         super().teardown()  # type: ignore[misc]  # unwraps the model, reverts layer sync, moves it to CPU

@@ -30,12 +30,13 @@ import operator
 import random
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Sized
+from typing import Any, Iterator, Sequence, Sized
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from lightning_sync.errors import ResumeError
+from lightning_sync.sampling import EpochOrder
 
 __all__ = [
     "ResumableDistributedSampler",
@@ -119,33 +120,41 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
             self.start, self.yielded, self._skip = 0, 0, None
         self.epoch = epoch
 
-    def epoch_order(self) -> list[int]:
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            return torch.randperm(self.dataset_len, generator=g).tolist()
-        return list(range(self.dataset_len))
+    def epoch_order(self) -> EpochOrder:
+        """The epoch's global order (:class:`~lightning_sync.sampling.EpochOrder`, as the evaluation sampler's)."""
+        return EpochOrder.of(self.dataset_len, self.shuffle, self.seed + self.epoch)
+
+    def _pieces(self, skip: int) -> Iterator[Sequence[int]]:
+        # Sample k of this rank is position j = rank + k * W of the segment; the segment is the
+        # epoch's order from `start`, padded with its own first positions (cyclically) up to W * per_rank.
+        order = self.epoch_order()
+        rest = self.dataset_len - self.start
+        per_rank, world = self._segment_len(), self.num_replicas
+        unpadded = min(per_rank, max(0, math.ceil((rest - self.rank) / world)))  # samples with j < rest
+        if skip < unpadded:
+            first = self.start + self.rank + skip * world
+            yield from order.pieces(first, self.start + self.rank + (unpadded - 1) * world + 1, world)
+        padded = [self.start + (self.rank + k * world) % rest for k in range(max(skip, unpadded), per_rank)]
+        if padded:
+            yield order.at(padded)
 
     def shard(self) -> list[int]:
         """This rank's indices of the current segment (the whole epoch unless resumed elsewhere)."""
-        rest = self.epoch_order()[self.start:]
-        per_rank = self._segment_len()
-        total = per_rank * self.num_replicas
-        if total > len(rest):  # pad with the segment's first indices (at most W - 1 of them)
-            pad = total - len(rest)
-            rest += (rest * math.ceil(pad / max(1, len(rest))))[:pad]
-        return rest[:total][self.rank:total:self.num_replicas]
+        return [i for piece in self._pieces(0) for i in piece]
 
     def __iter__(self) -> Iterator[int]:
         # A generator, so the position moves only once iteration starts: torchdata and Lightning
         # create iterators they do not use (e.g. after load_state_dict), and those must not take
-        # the pending skip.
+        # the pending skip. The order is read in pieces (a range, or lists of 65536 indices), never
+        # as one list; how far the running piece got is its length minus what is left in it.
         skip = self._skip or 0
         self._skip = None
-        rest = self.shard()[skip:]
-        iterator = iter(rest)
-        self._iterator, self._iterator_start, self._iterator_len = iterator, skip, len(rest)
-        yield from iterator  # delegated per index without a Python-level loop body
+        self.yielded = skip
+        for piece in self._pieces(skip):
+            iterator = iter(piece)
+            self._iterator, self._iterator_len = iterator, len(piece)
+            yield from iterator  # delegated per index without a Python-level loop body
+            self._iterator, self._iterator_start, self._iterator_len = None, self._iterator_start + len(piece), 0
 
     @property
     def consumed(self) -> int:

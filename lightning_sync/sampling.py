@@ -36,6 +36,7 @@ from lightning_sync.errors import UnevenEvaluationError, format_ranks
 
 __all__ = [
     "EVALUATION_STEP_HOOKS",
+    "EpochOrder",
     "ExactEvalBatchSampler",
     "ExactEvaluation",
     "StepPlan",
@@ -118,7 +119,70 @@ def plan_steps(num_samples: int, world_size: int, batch_size: int) -> StepPlan:
     return StepPlan(num_samples, batch_size, tuple(counts), tuple(batches))
 
 
-def global_order(sampler: DistributedSampler[Any]) -> list[int]:
+class EpochOrder:
+    """One epoch's order of dataset indices, without a Python list of them.
+
+    ``range(n)`` is arithmetic (nothing is held). A shuffled order is torch's
+    ``DistributedSampler`` order, ``torch.randperm(n)`` from a generator seeded with
+    ``seed + epoch``, held as one int32 tensor (int64 from 2**31 samples): 4 bytes a sample
+    instead of the ~36 of a list of Python ints (``randperm``'s values do not depend on its
+    dtype). The indices of a wrapped sampler are held as a tensor when they are integers, as the
+    sampler's own list otherwise. Positions are read in slices (:meth:`take`, :meth:`pieces`), so
+    iterating costs one small list per batch or per piece.
+    """
+
+    def __init__(self, num: int, values: torch.Tensor | list[Any] | None = None) -> None:
+        self.num = num
+        self.values = values
+
+    @classmethod
+    def of(cls, num: int, shuffle: bool, seed: int) -> EpochOrder:
+        """``range(num)``, or the permutation torch's ``DistributedSampler`` draws from ``seed``."""
+        if not shuffle:
+            return cls(num)
+        g = torch.Generator()
+        g.manual_seed(seed)
+        return cls(num, torch.randperm(num, generator=g, dtype=torch.int32 if num < 2**31 else torch.int64))
+
+    def __len__(self) -> int:
+        return self.num
+
+    def take(self, start: int, stop: int, step: int = 1) -> list[Any]:
+        """The indices at positions ``start:stop:step`` (clipped to the order, like a list slice)."""
+        if self.values is None:
+            return list(range(*slice(start, stop, step).indices(self.num)))
+        if isinstance(self.values, list):
+            return self.values[start:stop:step]
+        return self.values[start:stop:step].tolist()
+
+    def at(self, positions: Sequence[int]) -> list[Any]:
+        """The indices at the given positions."""
+        if self.values is None:
+            return list(positions)
+        if isinstance(self.values, list):
+            return [self.values[p] for p in positions]
+        return self.values[torch.as_tensor(positions, dtype=torch.int64)].tolist()
+
+    def pieces(self, start: int, stop: int, step: int = 1, size: int = 1 << 16) -> Iterator[Sequence[Any]]:
+        """Positions ``start:stop:step`` as consecutive sequences of at most ``size`` indices.
+
+        Without shuffling one ``range`` covers them all; otherwise each piece is a list (iterating
+        a list or a range runs in C, with no Python frame per index).
+        """
+        positions = range(*slice(start, stop, step).indices(self.num))
+        if self.values is None:
+            if positions:
+                yield positions
+            return
+        for first in range(0, len(positions), size):
+            part = positions[first:first + size]
+            yield self.take(part.start, part.stop, part.step)
+
+    def tolist(self) -> list[Any]:
+        return self.take(0, self.num)
+
+
+def global_order(sampler: DistributedSampler[Any]) -> EpochOrder:
     """The order of the whole epoch that ``sampler`` shards (identical on every rank).
 
     A plain ``DistributedSampler``: ``range(N)``, or a permutation drawn from ``seed + epoch``.
@@ -134,18 +198,19 @@ def global_order(sampler: DistributedSampler[Any]) -> list[int]:
         inner, shuffle = None, bool(sampler.shuffle)
     else:
         shuffle = bool(sampler.shuffle)
-    if shuffle:
-        g = torch.Generator()
-        g.manual_seed(sampler.seed + sampler.epoch)
-        positions: list[int] = torch.randperm(num, generator=g).tolist()
-    else:
-        positions = list(range(num))
+    positions = EpochOrder.of(num, shuffle, sampler.seed + sampler.epoch)
     if inner is None:
         return positions
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(sampler.seed + sampler.epoch)
         materialised = list(inner)
-    return [materialised[p] for p in positions]
+    if all(type(i) is int for i in materialised):
+        values: torch.Tensor | list[Any] = torch.tensor(materialised, dtype=torch.int64)
+        if positions.values is not None:
+            values = values[positions.values.long()]  # type: ignore[union-attr]
+    else:  # indices that are not integers (a sampler of keys): the sampler's own list
+        values = materialised if positions.values is None else [materialised[p] for p in positions.tolist()]
+    return EpochOrder(num, values)
 
 
 class ExactEvalBatchSampler:
@@ -175,7 +240,7 @@ class ExactEvalBatchSampler:
         order = global_order(self.sampler)
         position = self.plan.start(self.rank)
         for size in self.plan.batches[self.rank]:
-            yield order[position:position + size]
+            yield order.take(position, position + size)
             position += size
 
 
@@ -276,8 +341,9 @@ def exact_eval_dataloader(dataloader: object, rank: int, world_size: int, predic
             values=dict(enumerate(shard_sizes(num, world_size))),
         )
     batch_sampler: Any = ExactEvalBatchSampler(sampler, inner_batch_sampler.batch_size, rank, world_size, monitor)
-    if predicting:
-        batch_sampler = _compat.index_batch_sampler(batch_sampler)  # Lightning's prediction index tracking
+    if predicting:  # Lightning's prediction index tracking, holding only the batches its loop has not read
+        in_flight = dataloader.num_workers * (dataloader.prefetch_factor or 2) if dataloader.num_workers else 0
+        batch_sampler = _compat.index_batch_sampler(batch_sampler, window=in_flight + 16)
     return _compat.dataloader_with_batch_sampler(dataloader, batch_sampler)
 
 

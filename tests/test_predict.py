@@ -228,7 +228,9 @@ def check_main(out: Path, world: int, big: int, padded: bool, memory: bool = Tru
     growth = rss["peak"] - rss["base"]
     print(f"{world} ranks: rank 0 peak RSS growth {growth / 2**20:.1f} MiB for {size / 2**20:.1f} MiB of predictions")
     if memory:  # (not on the gpu tier: CUDA's own host allocations land in the same RSS)
-        assert growth < 0.6 * size, (growth, size)  # measured 0.40-0.46x at 2 and 3 ranks; constant in N
+        # measured 0.33x (ddp_sync, 2 ranks, the loader as a user writes it: the strategy's index
+        # bookkeeping counts too) and 0.42x (ddp, 3 ranks, a lazy sampler); flat in N (bench_scale.py)
+        assert growth < (0.6 if padded else 0.5) * size, (growth, size)
     for rep in reps[1:]:
         print(f"a rank > 0: peak RSS growth {(rep['big_rss']['peak'] - rep['big_rss']['base']) / 2**20:.1f} MiB")
     for rep in reps:  # every rank raised the same clear error, fast, and nothing was written

@@ -13,6 +13,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
 )
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher as MultiProcessingLauncher,
@@ -170,17 +171,69 @@ def attached_trainer(module: object) -> Any:
 # --------------------------------------------------------------------------- evaluation loaders (exact_eval)
 
 
-def index_batch_sampler(batch_sampler: Any) -> Any:
-    """Wrap a batch sampler as Lightning does for prediction loaders (it records each batch's indices)."""
-    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+class RecentBatches:
+    """Lightning's ``seen_batch_indices`` list, holding only the batches still to be read.
 
-    return _IndexBatchSamplerWrapper(batch_sampler)
+    Lightning's ``_IndexBatchSamplerWrapper`` appends every batch's index list for the whole
+    prediction epoch (~36 bytes a sample: 360 MB per 1e7 samples on a rank) although its only
+    reader, the predict loop's ``_store_data_for_prediction_writer``, reads
+    ``seen_batch_indices[batch_idx]`` once per batch, in order, and only with a
+    ``BasePredictionWriter`` attached. Here the length and the indexing stay those of the full list;
+    reading batch ``i`` forgets the batches before it, and at most ``window`` batches are held when
+    nothing reads (the sampler runs ahead of the loop by the loader's prefetching only).
+    """
+
+    def __init__(self, window: int) -> None:
+        from collections import deque
+
+        self.window = window
+        self._first = 0  # the batch index of self._held[0]
+        self._held: Any = deque()
+
+    def append(self, batch: list[int]) -> None:
+        self._held.append(batch)
+        if len(self._held) > self.window:
+            self._held.popleft()
+            self._first += 1
+
+    def __len__(self) -> int:
+        return self._first + len(self._held)
+
+    def __getitem__(self, index: int) -> list[int]:
+        if index < 0:
+            index += len(self)
+        if not self._first <= index < len(self):
+            raise IndexError(f"prediction batch {index}: its indices are no longer held (batches "
+                             f"{self._first}..{len(self) - 1} are); they are read once, in order")
+        while self._first < index:
+            self._held.popleft()
+            self._first += 1
+        return self._held[0]  # type: ignore[no-any-return]
+
+
+def index_batch_sampler(batch_sampler: Any, window: int = 64) -> Any:
+    """Wrap a batch sampler as Lightning does for prediction loaders, holding only recent batch indices.
+
+    An instance of Lightning's ``_IndexBatchSamplerWrapper`` (the predict loop checks that type)
+    whose ``seen_batch_indices`` is a :class:`RecentBatches` of ``window`` batches at most.
+    """
+    wrapper = _RecentIndexBatchSampler(batch_sampler)
+    wrapper._recent_window = window
+    wrapper.seen_batch_indices = RecentBatches(window)  # type: ignore[assignment]
+    return wrapper
+
+
+class _RecentIndexBatchSampler(_IndexBatchSamplerWrapper):
+    _recent_window = 64
+
+    def __iter__(self) -> Any:
+        super().__iter__()
+        self.seen_batch_indices = RecentBatches(self._recent_window)  # type: ignore[assignment]
+        return self
 
 
 def unwrap_index_batch_sampler(batch_sampler: Any) -> Any:
     """The batch sampler inside Lightning's prediction index wrapper (itself when not wrapped)."""
-    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
-
     return batch_sampler._batch_sampler if isinstance(batch_sampler, _IndexBatchSamplerWrapper) else batch_sampler
 
 

@@ -1,0 +1,149 @@
+"""Memory flat in the size of the data set: exact evaluation and prediction over 1e7 samples on 2 real ranks.
+
+The samplers and the batch-index bookkeeping of ``ddp_sync`` hold no Python list of the epoch's
+indices (an unshuffled order is a ``range``, a shuffled one a single int32 tensor), so rank 0's
+peak RSS growth over a 10,000,001-sample epoch stays under 64 MiB (Lightning's ``ddp`` grows by
+~390 MiB on the same epoch: ``bench/bench_scale.py``), and the logged values still equal one
+process on the whole set.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.launch import load_script
+
+# One run of the benchmark's measurement (fresh rank processes, rank 0's RSS sampled every 2 ms);
+# the benchmark prints the same figures beside Lightning's ddp at 1e6..1e8 samples.
+BENCH = Path(__file__).parents[1] / "bench" / "bench_scale.py"
+N = 10_000_001
+BOUND = 64 * 2**20
+
+
+def measure(tmp_path: Path, mode: str, *args: str) -> dict[str, Any]:
+    cmd = [sys.executable, str(BENCH), "--one", "--mode", mode, "--strategy", "ddp_sync", "--n", str(N),
+           "--out", str(tmp_path), *args]
+    proc = subprocess.run(["timeout", "-k", "5", "240", *cmd], capture_output=True, text=True, timeout=260)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])  # type: ignore[no-any-return]
+
+
+def one_process(n: int) -> dict[str, float]:
+    """The whole set in one process, in chunks: the mean cross-entropy and the accuracy."""
+    rows = load_script(BENCH.parent / "bench_predict.py").Rows(n)
+    net = load_script(BENCH).make_model()
+    loss_sum, correct = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, n, 1 << 20):
+            x, y = rows.__getitems__(list(range(start, min(n, start + (1 << 20)))))
+            logits = net(x)
+            loss_sum += float(torch.nn.functional.cross_entropy(logits.double(), y, reduction="sum"))
+            correct += int((logits.argmax(-1) == y).sum())
+    return {"val_loss": loss_sum / n, "val_acc": correct / n}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, float]:
+    return one_process(N)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shuffle", [False, True], ids=["ordered", "shuffled"])
+def test_validation_epoch_of_1e7_samples_grows_rank0_by_at_most_64_mib(tmp_path: Path, shuffle: bool,
+                                                                       reference: dict[str, float]) -> None:
+    report = measure(tmp_path, "validate", *(["--shuffle"] if shuffle else []))
+    growth = report["growth"]
+    print(f"shuffle={shuffle}: rank 0 peak RSS growth {growth / 2**20:.1f} MiB over {N} samples")
+    assert growth <= BOUND, f"{growth / 2**20:.1f} MiB"  # measured 18 MiB ordered, 56 MiB shuffled (int32 order)
+    assert report["metrics"]["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+    assert report["metrics"]["val_acc"] == pytest.approx(reference["val_acc"], abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_predict_loop_of_1e7_samples_holds_no_epoch_of_batch_indices(tmp_path: Path) -> None:
+    # Lightning's _IndexBatchSamplerWrapper keeps every batch's index list for the epoch (~360 MiB here)
+    growth = measure(tmp_path, "predict")["growth"]
+    print(f"predict: rank 0 peak RSS growth {growth / 2**20:.1f} MiB over {N} samples")
+    assert growth <= BOUND, f"{growth / 2**20:.1f} MiB"  # measured 20 MiB
+
+
+class _Peak:
+    """This process's peak RSS growth over a block (VmHWM reset through /proc/self/clear_refs)."""
+
+    def __enter__(self) -> _Peak:
+        Path("/proc/self/clear_refs").write_text("5")
+        self.base = self._status("VmRSS")
+        return self
+
+    @staticmethod
+    def _status(key: str) -> int:
+        text = Path("/proc/self/status").read_text()
+        return int(text.split(key + ":")[1].split()[0]) * 1024
+
+    def __exit__(self, *exc: object) -> None:
+        self.growth = self._status("VmHWM") - self.base
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["ordered", "shuffled"])
+def test_samplers_walk_1e7_indices_without_a_list(shuffle: bool) -> None:
+    from torch.utils.data import DistributedSampler
+
+    from lightning_sync.resume import ResumableDistributedSampler
+    from lightning_sync.sampling import ExactEvalBatchSampler
+
+    n = N
+
+    class Sized:
+        def __len__(self) -> int:
+            return n
+
+    with _Peak() as train:
+        sampler = ResumableDistributedSampler(Sized(), num_replicas=2, rank=1, shuffle=shuffle, seed=3)  # type: ignore[arg-type]
+        count = last = 0
+        for last in sampler:
+            count += 1
+        state = sampler.state_dict()
+    assert count == len(sampler) == (n + 1) // 2 and state["yielded"] == count
+    with _Peak() as evaluation:
+        batches = ExactEvalBatchSampler(DistributedSampler(Sized(), 2, 0, shuffle=shuffle, seed=3), 8192, 0, 2)  # type: ignore[arg-type]
+        seen = sum(len(b) for b in batches)
+    assert seen == (n + 1) // 2
+    if not shuffle:
+        assert last == 0  # rank 1's last sample pads the odd epoch with its first index, as torch's sampler does
+    # a list of the epoch's indices would be ~36 bytes a sample (360 MB); a shuffled order is one int32 tensor
+    limit = 16 * 2**20 + (4 * n if shuffle else 0)
+    assert train.growth < limit and evaluation.growth < limit, (train.growth, evaluation.growth)
+
+
+def test_prediction_index_wrapper_holds_recent_batches_only() -> None:
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from lightning_sync._compat.lightning_api import RecentBatches, index_batch_sampler
+    from lightning_sync.pl._compat.lightning_api import index_batch_sampler as pl_index_batch_sampler
+
+    wrapper = index_batch_sampler(BatchSampler(SequentialSampler(range(100)), 3, False), window=4)
+    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+
+    assert isinstance(wrapper, _IndexBatchSamplerWrapper)  # the type Lightning's predict loop looks for
+    seen = []
+    for batch_idx, batch in enumerate(wrapper):
+        if batch_idx % 2 == 0:  # the loop reads batch_idx (with a prediction writer), in order
+            assert wrapper.seen_batch_indices[batch_idx] == batch
+        seen.append(batch)
+        assert len(wrapper.seen_batch_indices) == batch_idx + 1 and len(wrapper.seen_batch_indices._held) <= 4
+    assert [i for b in seen for i in b] == list(range(100))
+    with pytest.raises(IndexError, match="no longer held"):
+        wrapper.seen_batch_indices[0]
+    assert isinstance(wrapper.seen_batch_indices, RecentBatches)
+    assert type(pl_index_batch_sampler(BatchSampler(SequentialSampler(range(3)), 2, False))).__mro__[1].__module__ \
+        .startswith("pytorch_lightning")

@@ -169,9 +169,15 @@ def unregister_guard(hook: Callable[[str, Any], int]) -> None:
         _guard_hook = _guard_explain = None
 
 
-def _exchange(record: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
-    """All-gather one fixed-size record per rank. Same size everywhere, so it can never abort gloo."""
-    if _guard_hook is not None:
+def _exchange(record: list[int], group: dist.ProcessGroup | None, device: torch.device,
+              token: int | None = None) -> list[list[int]]:
+    """All-gather one fixed-size record per rank. Same size everywhere, so it can never abort gloo.
+
+    ``token``: the guard's token of this call when :func:`_same_everywhere` already took it (the
+    guard records a call once)."""
+    if token is not None:
+        record[_I_SITE] = token
+    elif _guard_hook is not None:
         record[_I_SITE] = _guard_hook(_CALLS[record[_I_CALL]], group)
     world = dist.get_world_size(group)
     mine = torch.tensor(record, dtype=torch.int64, device=device)
@@ -182,6 +188,24 @@ def _exchange(record: list[int], group: dist.ProcessGroup | None, device: torch.
     if _guard_explain is not None and len(set(tokens)) > 1 and min(tokens) > 0:
         raise _guard_explain(_CALLS[record[_I_CALL]], group, dict(zip(_global_ranks(group), tokens)))
     return records
+
+
+def _same_everywhere(record: list[int], group: dist.ProcessGroup | None, device: torch.device) -> tuple[bool, int]:
+    """Whether every rank's record equals this one (by its CRC-32), and the guard's token put into it.
+
+    One all-reduce of two int64 (MAX of the checksum beside its negation: the maximum and minus the
+    minimum over the ranks) instead of the all-gather of :func:`_exchange`: on gloo an all-gather,
+    or an all-reduce of 16 elements, took ~1.6-1.8x as long as an all-reduce of two (2 ranks, 265-480
+    vs 270-310 us here). Every rank gets the same answer, so where it is False every rank goes on to
+    the full exchange together.
+    """
+    if _guard_hook is not None:
+        record[_I_SITE] = _guard_hook(_CALLS[record[_I_CALL]], group)
+    crc = zlib.crc32(",".join(map(str, record)).encode())
+    both = torch.tensor([crc, -crc], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, minus_low = both.tolist()
+    return high == -minus_low, record[_I_SITE]
 
 
 def _global_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -250,8 +274,16 @@ class _Problem:
         return f"{self.kind.__name__}:{self.message}"
 
 
+def _record(fn: str, problem: _Problem | None, text: str, arg: int, payload: int, aux: int, layout: Any) -> list[int]:
+    if problem is not None:  # the arguments may not even be numbers
+        arg = payload = aux = _NONE
+        layout = None
+    return [_MAGIC, _CALLS.index(fn), len(text.encode()), arg, payload, aux,
+            _NONE if layout is None else zlib.crc32(repr(layout).encode()), 0]
+
+
 def _agree(fn: str, group: dist.ProcessGroup | None, device: torch.device, problem: _Problem | None, *,
-           arg: int = _NONE, payload: int = _NONE, aux: int = _NONE, layout: Any = None
+           arg: int = _NONE, payload: int = _NONE, aux: int = _NONE, layout: Any = None, token: int | None = None
            ) -> tuple[list[list[int]], list[int]]:
     """The metadata exchange of every collective; returns every rank's record and the global ranks.
 
@@ -259,12 +291,7 @@ def _agree(fn: str, group: dist.ProcessGroup | None, device: torch.device, probl
     bad rank's TypeError/ValueError when any rank's arguments are invalid.
     """
     text = problem.encode() if problem is not None else ""
-    if problem is not None:  # the arguments may not even be numbers
-        arg = payload = aux = _NONE
-        layout = None
-    record = [_MAGIC, _CALLS.index(fn), len(text.encode()), arg, payload, aux,
-              _NONE if layout is None else zlib.crc32(repr(layout).encode()), 0]
-    records = _exchange(record, group, device)
+    records = _exchange(_record(fn, problem, text, arg, payload, aux, layout), group, device, token)
     ranks = _check_same_call(fn, records, group)
     if any(rec[_I_PROBLEM] for rec in records):
         texts = _all_gather_texts(text, group, device, [rec[_I_PROBLEM] for rec in records])
@@ -441,7 +468,13 @@ def check_same_layout(tensor: Tensor, caller: str = "check_same_layout", fix: st
         return
     device = _comm_device(group, tensor if problem is None else None)
     layout = [["", *_layout(tensor)]] if problem is None else None
-    records, ranks = _agree(fn, group, device, problem, layout=layout)
+    # The common case, every rank's layout equal, in one all-reduce; otherwise the full exchange
+    # (on every rank: they all saw the difference) finds who differs and how.
+    same, token = _same_everywhere(_record(fn, problem, problem.encode() if problem is not None else "",
+                                           _NONE, _NONE, _NONE, layout), group, device)
+    if same and problem is None:
+        return
+    records, ranks = _agree(fn, group, device, problem, layout=layout, token=token)
     if len({rec[_I_LAYOUT] for rec in records}) == 1:
         return
     assert layout is not None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import lightning as L
@@ -89,8 +90,12 @@ class DeferredRequeue(L.Callback):
         """Lightning's per-step SIGTERM broadcast, with the requeue request beside the SIGTERM flag."""
         flags = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False))), int(self.requested)],
                              device=trainer.strategy.root_device)
+        # One guarded operation of a known layout (int64[2] on every rank, from this line): the guard
+        # records it and skips the shape exchange it makes before a user's broadcast on gloo.
+        guard = getattr(trainer.strategy, "guard", None)
         try:
-            torch.distributed.broadcast(flags, src=0)
+            with guard.guarded("step flags broadcast", "int64[2] src=0") if guard is not None else nullcontext():
+                torch.distributed.broadcast(flags, src=0)
         except LightningSyncError:
             raise  # the collective guard's finding: not a reason to carry on as if nothing was sent
         except Exception:  # noqa: BLE001 - as Lightning: a failed broadcast is no SIGTERM

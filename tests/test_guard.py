@@ -253,6 +253,9 @@ SCENARIOS = {
         f"rank 0 at fit_guard.py:{_line('rank0_loss')} training_step (metric 'rank0_loss'): strategy.reduce "
         "float32[] op=mean", "rank 1 never reached it", f"fit_guard.py:{LOSS_LINE} training_step (metric 'loss')"],
         [0]),
+    "rank0_broadcast": ("CollectiveMismatchError", [
+        f"rank 0 at fit_guard.py:{_line('torch.zeros(3), src=0')} on_train_batch_end: broadcast float32[3] src=0"],
+        [0]),
     "rank0_checkpoint": ("CollectiveMismatchError", [
         f"rank 0 at fit_guard.py:{_line('manual.ckpt')} on_train_epoch_end", "rank 1 at fit_guard.py"], [0, 1]),
     "log_keys_synced": ("CollectiveMismatchError", ["(metric 'loss_rank0'): strategy.reduce",

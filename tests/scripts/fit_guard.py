@@ -51,6 +51,12 @@ class Model(L.LightningModule):
             self.seen += len(x)  # the mistake: state updated on one rank only, never synced
         return loss
 
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.scenario == "rank0_broadcast" and self.global_rank == 0 and batch_idx == 1:
+            # the mistake: a collective between two steps on rank 0 only (rank 1 goes on to the
+            # next step's start, where the strategy broadcasts its step flags)
+            torch.distributed.broadcast(torch.zeros(3), src=0)
+
     def on_train_epoch_end(self) -> None:
         if self.scenario == "rank0_checkpoint" and self.trainer.is_global_zero:
             self.trainer.save_checkpoint(self.out / "manual.ckpt")  # the mistake: save_checkpoint on rank 0 only

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import operator
-import random
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence, Sized
@@ -37,6 +36,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from lightning_sync.errors import ResumeError
 from lightning_sync.sampling import EpochOrder
+from lightning_sync.seeding import _collect_rng_state, _restore_rng_state
 
 __all__ = [
     "ResumableDistributedSampler",
@@ -233,44 +233,16 @@ class _WorkerRNGDataset(Dataset[Any]):
     def state_dict(self) -> dict[str, Any]:
         inner = self.dataset.state_dict() if hasattr(self.dataset, "state_dict") else None
         in_worker = torch.utils.data.get_worker_info() is not None
-        return {"worker_rng": _worker_rng_state() if in_worker else None, "inner": inner}
+        return {"worker_rng": _collect_rng_state(compact=True) if in_worker else None, "inner": inner}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("inner") is not None and hasattr(self.dataset, "load_state_dict"):
             self.dataset.load_state_dict(state["inner"])
         if torch.utils.data.get_worker_info() is None:
             return
-        if state.get("worker_rng") is not None:
-            _restore_worker_rng_state(state["worker_rng"])
-        elif state.get("rng") is not None:  # written by lightning_sync before the compact state
-            from lightning_sync.seeding import _restore_rng_state
-
-            _restore_rng_state(state["rng"])
-
-
-def _worker_rng_state() -> dict[str, Any]:
-    """A worker's torch (CPU), numpy and ``random`` states as bytes and lists (~11 KB pickled, ~0.1 ms)."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"torch": torch.get_rng_state().numpy().tobytes(), "python": [version, list(internal), gauss]}
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        state["numpy"] = [kind, np.asarray(keys, dtype=np.uint32).tobytes(), int(pos), int(has_gauss), float(cached)]
-    except ImportError:
-        pass
-    return state
-
-
-def _restore_worker_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached))
+        rng = state.get("worker_rng") or state.get("rng")  # ("rng": written before the compact encoding)
+        if rng is not None:
+            _restore_rng_state(rng)
 
 
 # ---------------------------------------------------------------------------------- data loader
@@ -553,8 +525,6 @@ class ResumeHooks:
 
             load_pending_train_loader_state(trainer)  # before the RNG states: a new iterator draws a seed
         if self._rng_after_iterator is not None:
-            from lightning_sync.seeding import _restore_rng_state
-
             _restore_rng_state(self._rng_after_iterator)
             self._rng_after_iterator = None
 

@@ -306,3 +306,30 @@ def test_slurm_requeue_signal_checkpoints_at_an_agreed_step_and_resumes_exactly(
         assert resumed[r] == full[r][step + 2:], f"rank {r}: the resumed batches differ"
     assert full[0][step + 1][0] == 1  # epoch 1 (7 steps per epoch)
     assert _weights_equal(out / "ref", out / "res", 2), "final weights differ from the uninterrupted run"
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["checkpoint", "worker snapshot"])
+def test_rng_state_encodings_round_trip(compact: bool) -> None:
+    """One encoding of an RNG state, two forms: tensors for checkpoints, bytes for worker snapshots."""
+    import pickle
+    import random
+
+    import numpy as np
+
+    from lightning_sync.seeding import _collect_rng_state, _restore_rng_state
+
+    torch.manual_seed(3)
+    random.seed(4)
+    np.random.seed(5)
+    np.random.randn()  # numpy keeps a cached gaussian in its state
+    state = _collect_rng_state(compact=compact)
+    if compact:
+        assert isinstance(state["torch"], bytes) and isinstance(state["numpy"][1], bytes)
+    else:
+        assert isinstance(state["torch"], torch.Tensor) and isinstance(state["numpy"][1], torch.Tensor)
+    drawn = (torch.rand(3).tolist(), random.random(), np.random.randn(2).tolist())
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+    _restore_rng_state(pickle.loads(pickle.dumps(state)))
+    assert (torch.rand(3).tolist(), random.random(), np.random.randn(2).tolist()) == drawn

@@ -36,7 +36,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from lightning_sync.errors import ResumeError
 from lightning_sync.sampling import EpochOrder
-from lightning_sync.seeding import _collect_rng_state, _restore_rng_state
+from lightning_sync.seeding import CHECKPOINT_KEY, _collect_rng_state, _restore_rng_state
 
 __all__ = [
     "ResumableDistributedSampler",
@@ -503,7 +503,7 @@ class ResumeHooks:
         self._rng_after_iterator = None
         if not fitting:  # validate/test/predict from a checkpoint: no training loader to resume
             return
-        ours = checkpoint.get("lightning_sync") or {}
+        ours = checkpoint.get(CHECKPOINT_KEY) or {}
         sampler_state = select_loader_state(checkpoint, ours.get("loader_states"), world_size, rank)
         self._rng_after_iterator = None
         if sampler_state is None:

@@ -8,7 +8,7 @@
 2. micro: 2, 4 and 8 gloo ranks, `dist.all_reduce(float32[1])` in a loop, guard off/on alternated:
    the difference is what the guard costs per collective with its watchdog thread running.
    The same loop under TORCH_DISTRIBUTED_DEBUG=DETAIL (torch's own collective fingerprint check).
-3. fit: a tiny MLP (batch 64/rank) on 2 ranks through Lightning's launcher, one
+3. fit: a tiny MLP (batch 64/rank) on 2 ranks (`--fit-worlds 2,4,8`: also 4 and 8) through Lightning's launcher, one
    `self.log(..., sync_dist=True)` per step; `ddp_sync` with guard=False and the default guard,
    alternated in one process (ABBA after a dropped warm-up fit) so machine noise hits both; median time of
    one loop iteration (batch start to the next batch start: the step, the hooks and checks around it).
@@ -104,7 +104,7 @@ def _hot_path(n: int = 20000) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
-def _fit(steps: int, repeats: int, out: Path, labels: tuple[str, ...]) -> None:
+def _fit(steps: int, repeats: int, out: Path, labels: tuple[str, ...], devices: int = 2) -> None:
     import lightning as L
     import torch
     from torch import nn
@@ -137,14 +137,14 @@ def _fit(steps: int, repeats: int, out: Path, labels: tuple[str, ...]) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     torch.set_num_threads(1)
-    data = TensorDataset(torch.randn(64 * 2 * steps, 32), torch.randn(64 * 2 * steps))
+    data = TensorDataset(torch.randn(64 * devices * steps, 32), torch.randn(64 * devices * steps))
     results: dict[str, list[float]] = {label: [] for label in labels}
     # A first fit warms the process up (it measured 10-20% slower than later ones) and is dropped;
     # then ABBA order, so a drift within the process hits both labels alike.
     order = [labels[0]] + [label for _ in range(repeats) for label in (*labels, *reversed(labels))]
     for i, label in enumerate(order):
         model = MLP()
-        trainer = L.Trainer(accelerator="cpu", devices=2,
+        trainer = L.Trainer(accelerator="cpu", devices=devices,
                             strategy=ls.SyncDDPStrategy(seed=0, guard=_guard_setting(label)),
                             max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
@@ -191,9 +191,12 @@ def main() -> None:
     parser.add_argument("--fit-out", type=Path)
     parser.add_argument("--labels", default="off,on")
     parser.add_argument("--fit-only", action="store_true", help="skip the hot-path and micro parts")
+    parser.add_argument("--fit-worlds", default="2", help="ranks of the fit, e.g. 2,4,8 (the synced step's cost "
+                        "with the world size)")
+    parser.add_argument("--devices", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit_out is not None:
-        _fit(args.steps, args.repeats, args.fit_out, tuple(args.labels.split(",")))
+        _fit(args.steps, args.repeats, args.fit_out, tuple(args.labels.split(",")), args.devices)
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from tests.distributed import run_ranks
@@ -210,20 +213,22 @@ def main() -> None:
     # TORCH_DISTRIBUTED_DEBUG=DETAIL is measured in the micro part only: with it, DDP's constructor dies
     # with SIGSEGV on gloo in torch 2.13 (DDP's Logger.set_construction_data_and_log), set before torch
     # starts or at run time alike.
-    fit: dict[str, list[float]] = {"off": [], "on": []}
-    for _ in range(args.repeats):
-        for labels, env in (("off,on", {}),):
+    for devices in map(int, args.fit_worlds.split(",")):
+        fit: dict[str, list[float]] = {"off": [], "on": []}
+        for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as tmp:
                 subprocess.run(["timeout", "-k", "5", "1800", sys.executable, __file__, "--fit-out", tmp,
-                                "--steps", str(args.steps), "--repeats", "1", "--labels", labels], check=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+                                "--steps", str(args.steps), "--repeats", "1", "--labels", "off,on",
+                                "--devices", str(devices)], check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
                 for k, v in json.loads((Path(tmp) / "fit.json").read_text()).items():
                     fit[k] += v
-    for name, pick in (("median", statistics.median), ("best", min)):
-        s_off, s_on = (pick(fit[k]) for k in ("off", "on"))
-        print(f"MLP step + 1 sync_dist ({name} fit): off {s_off:.3f} ms  guard {s_on:.3f} ms ({s_on / s_off:.3f}x)")
-    print("(per-fit medians, ms: " + "; ".join(f"{k} {['%.2f' % t for t in v]}" for k, v in fit.items())
-          + f"; {args.steps} steps per fit, 2 ranks, gloo)")
+        for name, pick in (("median", statistics.median), ("best", min)):
+            s_off, s_on = (pick(fit[k]) for k in ("off", "on"))
+            print(f"{devices} ranks, MLP step + 1 sync_dist ({name} fit): off {s_off:.3f} ms  guard {s_on:.3f} ms "
+                  f"({s_on / s_off:.3f}x)")
+        print("(per-fit medians, ms: " + "; ".join(f"{k} {['%.2f' % t for t in v]}" for k, v in fit.items())
+              + f"; {args.steps} steps per fit, {devices} ranks, gloo)")
     if args.main:
         times = _main_job(2)
         off, on = statistics.median(times["off"]), statistics.median(times["on"])

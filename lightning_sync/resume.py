@@ -128,6 +128,8 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         # Sample k of this rank is position j = rank + k * W of the segment; the segment is the
         # epoch's order from `start`, padded with its own first positions (cyclically) up to W * per_rank.
         order = self.epoch_order()
+        if not isinstance(order, EpochOrder):  # a subclass's own epoch_order() returning a list
+            order = EpochOrder(len(order), list(order))
         rest = self.dataset_len - self.start
         per_rank, world = self._segment_len(), self.num_replicas
         unpadded = min(per_rank, max(0, math.ceil((rest - self.rank) / world)))  # samples with j < rest

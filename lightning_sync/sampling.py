@@ -181,6 +181,17 @@ class EpochOrder:
     def tolist(self) -> list[Any]:
         return self.take(0, self.num)
 
+    def __iter__(self) -> Iterator[Any]:
+        for piece in self.pieces(0, self.num):
+            yield from piece
+
+    def __getitem__(self, key: int | slice) -> Any:
+        """One index (``order[i]``) or a list of them (``order[a:b:c]``), as from a list."""
+        if isinstance(key, slice):
+            return self.at(range(self.num)[key])
+        position = range(self.num)[key]  # IndexError past the end, negative positions from the end
+        return self.take(position, position + 1)[0]
+
 
 def global_order(sampler: DistributedSampler[Any]) -> EpochOrder:
     """The order of the whole epoch that ``sampler`` shards (identical on every rank).
@@ -204,11 +215,15 @@ def global_order(sampler: DistributedSampler[Any]) -> EpochOrder:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(sampler.seed + sampler.epoch)
         materialised = list(inner)
+    values: torch.Tensor | list[Any] | None = None
     if all(type(i) is int for i in materialised):
-        values: torch.Tensor | list[Any] = torch.tensor(materialised, dtype=torch.int64)
-        if positions.values is not None:
-            values = values[positions.values.long()]  # type: ignore[union-attr]
-    else:  # indices that are not integers (a sampler of keys): the sampler's own list
+        try:
+            values = torch.tensor(materialised, dtype=torch.int64)
+        except (OverflowError, RuntimeError, ValueError):  # keys beyond int64: the list below
+            values = None
+        if values is not None and positions.values is not None:
+            values = values[positions.values.long()]
+    if values is None:  # indices that are not int64 integers (a sampler of keys): the sampler's own list
         values = materialised if positions.values is None else [materialised[p] for p in positions.tolist()]
     return EpochOrder(num, values)
 

@@ -151,6 +151,7 @@ _MISMATCHES = {
                     "rank 1 (4,) float32 on cpu",
     "reduce_op": "all_reduce: op differs across ranks: rank 0 sum, rank 1 max",
     "other_call": "ranks entered different collectives: rank 0 all_reduce, rank 1 all_gather_uneven",
+    "other_call_layout": "ranks entered different collectives: rank 0 check_same_layout, rank 1 all_reduce",
     "src": "broadcast_object: src differs across ranks: rank 0 0, rank 1 1",
     "dst": "gather_objects: dst differs across ranks: rank 0 0, rank 1 None",
     "gather_dst": "gather_uneven: dst differs across ranks: rank 0 0, rank 1 1",
@@ -179,6 +180,11 @@ def _mismatch(rank: int, world: int, case: str) -> None:
             C.all_reduce(torch.zeros(3))
         else:
             C.all_gather_uneven(torch.zeros(3))
+    elif case == "other_call_layout":  # the public check opens with the same exchange as the others
+        if rank == 0:
+            C.check_same_layout(torch.zeros(3))
+        else:
+            C.all_reduce(torch.zeros(3))
     elif case == "src":
         C.broadcast_object("x", src=rank)
     elif case == "dst":

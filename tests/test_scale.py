@@ -147,3 +147,30 @@ def test_prediction_index_wrapper_holds_recent_batches_only() -> None:
     assert isinstance(wrapper.seen_batch_indices, RecentBatches)
     assert type(pl_index_batch_sampler(BatchSampler(SequentialSampler(range(3)), 2, False))).__mro__[1].__module__ \
         .startswith("pytorch_lightning")
+
+
+def test_epoch_order_reads_like_a_list_and_keeps_keys_beyond_int64() -> None:
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torch.utils.data import Sampler
+
+    from lightning_sync.sampling import EpochOrder, global_order
+
+    for order in (EpochOrder.of(11, False, 0), EpochOrder.of(11, True, 5), EpochOrder(3, ["a", "b", "c"])):
+        ref = order.tolist()
+        assert list(order) == ref and [order[i] for i in range(len(ref))] == ref and order[-1] == ref[-1]
+        assert order[2:9:3] == ref[2:9:3] and order[::-2] == ref[::-2]
+        with pytest.raises(IndexError):
+            order[len(ref)]
+
+    class Keys(Sampler[int]):  # 64-bit hash keys as "indices" of a user's own sampler
+        def __init__(self, keys: list[int]) -> None:
+            self.keys = keys
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(self.keys)
+
+        def __len__(self) -> int:
+            return len(self.keys)
+
+    keys = [2**63 + i for i in range(4)]
+    assert global_order(DistributedSamplerWrapper(Keys(keys), num_replicas=1, rank=0, shuffle=False)).tolist() == keys

@@ -199,6 +199,10 @@ class RecentBatches:
     def __len__(self) -> int:
         return self._first + len(self._held)
 
+    def __iter__(self) -> Any:
+        """The batches still held, oldest first (reading them this way drops nothing)."""
+        return iter(list(self._held))
+
     def __getitem__(self, index: int) -> list[int]:
         if index < 0:
             index += len(self)

@@ -459,7 +459,7 @@ class CollectiveGuard:
         (gloo aborts the process on a size mismatch, or returns garbage). Every rank raises the same error."""
         self._depth += 1
         try:
-            collectives.check_same_layout(tensor, f"torch.distributed.{name}", _LAYOUT_FIX, group=group)
+            collectives._check_same_layout(tensor, f"torch.distributed.{name}", _LAYOUT_FIX, group, quick=True)
         except CollectiveMismatchError:
             raise
         except RankMismatchError as err:

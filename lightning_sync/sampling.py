@@ -221,7 +221,7 @@ def global_order(sampler: DistributedSampler[Any]) -> EpochOrder:
             values = torch.tensor(materialised, dtype=torch.int64)
         except (OverflowError, RuntimeError, ValueError):  # keys beyond int64: the list below
             values = None
-        if values is not None and positions.values is not None:
+        if values is not None and isinstance(positions.values, torch.Tensor):
             values = values[positions.values.long()]
     if values is None:  # indices that are not int64 integers (a sampler of keys): the sampler's own list
         values = materialised if positions.values is None else [materialised[p] for p in positions.tolist()]

@@ -276,11 +276,12 @@ class _Problem:
         return f"{self.kind.__name__}:{self.message}"
 
 
-def _record(fn: str, problem: _Problem | None, text: str, arg: int, payload: int, aux: int, layout: Any) -> list[int]:
+def _record(fn: str, problem: _Problem | None, arg: int = _NONE, payload: int = _NONE, aux: int = _NONE,
+            layout: Any = None) -> list[int]:
+    """This rank's metadata record of a call (the guard's token slot still 0)."""
     if problem is not None:  # the arguments may not even be numbers
-        arg = payload = aux = _NONE
-        layout = None
-    return [_MAGIC, _CALLS.index(fn), len(text.encode()), arg, payload, aux,
+        return [_MAGIC, _CALLS.index(fn), len(problem.encode().encode()), _NONE, _NONE, _NONE, _NONE, 0]
+    return [_MAGIC, _CALLS.index(fn), 0, arg, payload, aux,
             _NONE if layout is None else zlib.crc32(repr(layout).encode()), 0]
 
 
@@ -293,7 +294,7 @@ def _agree(fn: str, group: dist.ProcessGroup | None, device: torch.device, probl
     bad rank's TypeError/ValueError when any rank's arguments are invalid.
     """
     text = problem.encode() if problem is not None else ""
-    records = _exchange(_record(fn, problem, text, arg, payload, aux, layout), group, device, token)
+    records = _exchange(_record(fn, problem, arg, payload, aux, layout), group, device, token)
     ranks = _check_same_call(fn, records, group)
     if any(rec[_I_PROBLEM] for rec in records):
         texts = _all_gather_texts(text, group, device, [rec[_I_PROBLEM] for rec in records])
@@ -484,8 +485,7 @@ def _check_same_layout(tensor: Tensor, caller: str, fix: str, group: dist.Proces
     layout = [["", *_layout(tensor)]] if problem is None else None
     token = None
     if quick:  # every rank's layout equal in one all-reduce; otherwise the full exchange, on every rank
-        same, token = _same_everywhere(_record(fn, problem, problem.encode() if problem is not None else "",
-                                               _NONE, _NONE, _NONE, layout), group, device)
+        same, token = _same_everywhere(_record(fn, problem, layout=layout), group, device)
         if same and problem is None:
             return
     records, ranks = _agree(fn, group, device, problem, layout=layout, token=token)

@@ -221,14 +221,14 @@ def index_batch_sampler(batch_sampler: Any, window: int = 64) -> Any:
     An instance of Lightning's ``_IndexBatchSamplerWrapper`` (the predict loop checks that type)
     whose ``seen_batch_indices`` is a :class:`RecentBatches` of ``window`` batches at most.
     """
-    wrapper = _RecentIndexBatchSampler(batch_sampler)
-    wrapper._recent_window = window
-    wrapper.seen_batch_indices = RecentBatches(window)  # type: ignore[assignment]
-    return wrapper
+    return _RecentIndexBatchSampler(batch_sampler, window)
 
 
 class _RecentIndexBatchSampler(_IndexBatchSamplerWrapper):
-    _recent_window = 64
+    def __init__(self, batch_sampler: Any, window: int) -> None:
+        super().__init__(batch_sampler)  # (replaces __dict__: the attributes below come after it)
+        self._recent_window = window
+        self.seen_batch_indices = RecentBatches(window)  # type: ignore[assignment]
 
     def __iter__(self) -> Any:
         super().__iter__()

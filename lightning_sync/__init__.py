@@ -27,6 +27,7 @@ from lightning_sync.errors import (
     ParameterDivergenceError,
     RankMismatchError,
     UnevenEvaluationError,
+    UnevenTrainingError,
 )
 from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.seeding import SeedLineage, derive_seed
@@ -60,6 +61,7 @@ __all__ = [
     "SyncDDPStrategy",
     "SyncModelParallelStrategy",
     "UnevenEvaluationError",
+    "UnevenTrainingError",
     "ValidationGather",
     "collectives",
     "convert_sync_batchnorm",

@@ -28,9 +28,11 @@ callback) lives in :mod:`lightning_sync.callbacks.batchnorm`; this module import
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -47,6 +49,7 @@ __all__ = [
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     "dedicated_group",
+    "joined_step",
     "revert_sync_batchnorm",
     "share_running_stats",
     "unshare_running_stats",
@@ -63,6 +66,22 @@ _SEEN_NDIM = "_lsync_seen_ndim"
 _CHECKED_GROUP = "_lsync_checked_group"  # the group this layer's metadata was last compared over
 _MISSING = object()
 _M = TypeVar("_M", bound=nn.Module)
+# Inside joined_step: whether this rank's batch is a stand-in (None: an ordinary step).
+_JOINED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("lightning_sync_joined_step", default=None)
+
+
+@contextlib.contextmanager
+def joined_step(stand_in: bool) -> Iterator[None]:
+    """A training step in which some rank has run out of data (``uneven_batches="join"``; every rank enters
+    it for the same step). Inside, every :class:`SyncBatchNorm` takes the portable path on every backend,
+    and on a rank whose batch is a ``stand_in`` contributes a count of zero: the statistics, the running
+    statistics and the input gradients are those of the real ranks' samples only. The stand-in's output is
+    its batch normalised with those statistics (its loss is scaled to zero anyway)."""
+    token = _JOINED.set(bool(stand_in))
+    try:
+        yield
+    finally:
+        _JOINED.reset(token)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,10 +121,11 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
     def forward(
         ctx: FunctionCtx, input: Tensor, weight: Tensor | None, bias: Tensor | None,
         running_mean: Tensor | None, running_var: Tensor | None, eps: float, momentum: float,
-        group: dist.ProcessGroup, world_size: int,
+        group: dist.ProcessGroup, world_size: int, stand_in: bool = False,
     ) -> Tensor:
         channels = input.shape[1]
-        local_count = input.numel() // channels
+        local_count = 0 if stand_in else input.numel() // channels
+        ctx.stand_in = stand_in  # type: ignore[attr-defined]
         # One record per rank: [count, mean (C), M2 (C)] in float64, so the combine below is exact
         # enough even when |mean| / std is in the thousands.
         if local_count > 0:
@@ -139,7 +159,7 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
             # running statistics alone; so do we. Backward still joins its collective.
             zeros = input.new_zeros(channels, dtype=stat_dtype)
             ctx.save_for_backward(input, weight, zeros, zeros)  # type: ignore[arg-type]  # None is fine
-            return torch.empty_like(input)
+            return torch.zeros_like(input) if stand_in else torch.empty_like(input)
 
         # Chan et al.: mean = sum n_r mean_r / n;  M2 = sum M2_r + sum n_r (mean_r - mean)^2.
         means = gathered[:, 1:channels + 1]
@@ -158,7 +178,7 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         mean_t = g_mean.to(stat_dtype)
         ctx.save_for_backward(input, weight, mean_t,  # type: ignore[arg-type]  # None is fine
                               (g_var + eps).rsqrt_().to(stat_dtype))
-        if local_count == 0:
+        if local_count == 0 and not (stand_in and input.numel() > 0):
             return torch.empty_like(input)
         # The global statistics in the place of running ones: torch's own fused CPU/CUDA kernel.
         return F.batch_norm(input, mean_t, g_var.to(stat_dtype), weight, bias, False, 0.0, eps)
@@ -172,7 +192,7 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]  # type: ignore[attr-defined]
         channels = input.shape[1]
         ndim = input.ndim
-        local = input.numel() > 0 and total > 0
+        local = input.numel() > 0 and total > 0 and not ctx.stand_in  # type: ignore[attr-defined]
 
         if local:
             dims = _reduce_dims(input)
@@ -205,7 +225,7 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
                 grad_input = grad_input.to(input.dtype)
             else:
                 grad_input = torch.zeros_like(input)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _raise_problem_text(problems: dict[int, str], world: int) -> None:
@@ -385,12 +405,14 @@ class SyncBatchNorm(BatchNormBase):
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, bn_training, factor,
                                 self.eps)
         # torch's own kernels are CUDA-only and fused: use them for CUDA tensors on NCCL (and other
-        # non-gloo backends); everything else takes the portable path.
-        if input.is_cuda and "gloo" not in str(dist.get_backend(group)).lower():
+        # non-gloo backends); everything else takes the portable path, and so does every rank in a step
+        # with a stand-in batch (joined_step), which torch's kernels would count.
+        stand_in = _JOINED.get()
+        if stand_in is None and input.is_cuda and "gloo" not in str(dist.get_backend(group)).lower():
             return TorchSyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean, running_var,  # type: ignore[no-untyped-call,no-any-return]
                                              self.eps, factor, group, world_size)
         return _PortableSyncBatchNorm.apply(input, self.weight, self.bias, running_mean,  # type: ignore[no-untyped-call,no-any-return]
-                                            running_var, self.eps, factor, group, world_size)
+                                            running_var, self.eps, factor, group, world_size, bool(stand_in))
 
 
 # --------------------------------------------------------------------------------------------------

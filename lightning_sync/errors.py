@@ -15,6 +15,7 @@ __all__ = [
     "ParameterDivergenceError",
     "RankMismatchError",
     "UnevenEvaluationError",
+    "UnevenTrainingError",
     "format_ranks",
 ]
 
@@ -64,6 +65,16 @@ class UnevenEvaluationError(RankMismatchError):
 
     Raised on every rank at once (each knows every rank's step count): by a per-step collective in
     an evaluation step when step counts differ, or before the loop when a rank would get no sample.
+    """
+
+
+class UnevenTrainingError(RankMismatchError):
+    """Ranks ran out of training data at different batches, and the run cannot carry on as configured.
+
+    Raised on every rank at once (each rank's loader knows every rank's batch count, batch by
+    batch): with ``uneven_batches="error"`` when the first rank runs out while others have data, and
+    under ``uneven_batches="join"`` by a collective of the user's own in ``training_step`` while a rank
+    that ran out runs stand-in steps (its data would be counted twice).
     """
 
 

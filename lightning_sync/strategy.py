@@ -39,8 +39,12 @@ class SyncDDPStrategy(SyncStrategyMixin, DDPStrategy):
             before the guard raises (default 120; sets the guard object's ``timeout``, not a
             ``hang_timeout`` set on it).
         uneven_batches: what to do when ranks have different numbers of training batches (a rank
-            with more would hang in DDP's all-reduce): ``"error"`` raises at epoch start;
-            ``"stop_together"`` ends every rank's epoch when the shortest rank runs out.
+            with more would hang in DDP's all-reduce): ``"error"`` raises an
+            ``UnevenTrainingError``/``RankMismatchError`` on every rank (at epoch start where every
+            rank's loader has a length, else at the batch where the first runs out);
+            ``"stop_together"`` ends every rank's epoch when the shortest rank runs out; ``"join"``
+            trains on every batch of every rank: a rank that ran out runs stand-in steps with a zero
+            contribution until the last rank is done (see ``docs/uneven.md``).
         exact_eval: evaluate every sample of validate, test, fit's validation and predict on exactly
             one rank, once (no padding), in equal step counts wherever possible, and reduce
             ``self.log(..., sync_dist=True)`` epoch means exactly (see ``lightning_sync.sampling``).

@@ -74,7 +74,8 @@ class UnevenBatchCheck(pl.Callback):
     in DDP's gradient all-reduce until the process group's timeout.
 
     Args:
-        uneven_batches: ``"error"`` or ``"stop_together"``.
+        uneven_batches: ``"error"``, ``"stop_together"`` or ``"join"`` (the loader then has the longest
+            rank's length on every rank: the counts agree).
     """
 
     def __init__(self, uneven_batches: str = "error") -> None:
@@ -105,7 +106,8 @@ class UnevenBatchCheck(pl.Callback):
             f"ranks have different numbers of training batches this epoch: {format_ranks(shown)}. A rank with more "
             "batches would wait forever in DDP's gradient all-reduce once the others have finished. Shard with a "
             "DistributedSampler (it pads to equal counts; Lightning inserts one unless use_distributed_sampler=False), "
-            "give every rank the same number of samples (drop_last=True), or pass "
-            "SyncDDPStrategy(uneven_batches='stop_together') to end the epoch on every rank when the first runs out.",
+            "give every rank's sampler the same length, pass SyncDDPStrategy(uneven_batches='join') "
+            "to train on every batch of every rank (a rank that ran out joins the others' collectives with a zero "
+            "contribution), or uneven_batches='stop_together' to end the epoch on every rank when the first runs out.",
             shown,
         )

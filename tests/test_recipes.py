@@ -48,6 +48,7 @@ RUNS: dict[str, str] = {
     "init_process_group.py": "test_init_process_group_env_and_file_rendezvous",
     "predict_to_parquet.py": "test_predict_to_parquet_index_once_in_order",
     "fsdp2.py": "test_fsdp2_validation_equals_one_process_under_model_parallel_sync",
+    "uneven_streams.py": "test_uneven_streams_train_every_sample_where_ddp_hangs",
 }
 
 
@@ -276,6 +277,17 @@ def test_predict_to_parquet_index_once_in_order(tmp_path: Path) -> None:
     assert (tmp_path / "p.manifest.json").is_file() and not (tmp_path / "p.parts").exists()
 
 
+@pytest.mark.slow
+@ONE_RUN
+def test_uneven_streams_train_every_sample_where_ddp_hangs(tmp_path: Path) -> None:
+    out = script("uneven_streams.py", "--show-mistake", "--hang-timeout", "25", cwd=tmp_path)
+    runs = per_rank(r"rank (\d) trained (\d+) real batches and (\d+) stand-in steps; samples (\d+) of 1001; "
+                    rf"weights {HEX}", out)
+    assert runs[0][:3] == ("19", "0", "1001") and runs[1][:3] == ("13", "6", "1001"), runs
+    assert runs[0][3] == runs[1][3], "the replicas differ"
+    assert "ddp hung: rank 0 waits in DDP's gradient all-reduce" in out, out
+
+
 def header_commands() -> list[str]:
     """Every launch command in the recipes' docstrings, exactly as written (comments dropped)."""
     commands = []
@@ -294,6 +306,7 @@ COVERED = {
     "torchrun --standalone --nproc_per_node=2 recipes/distributed_sampler.py",
     "torchrun --standalone --nproc_per_node=2 recipes/init_process_group.py",
     "python recipes/init_process_group.py --spawn 2",
+    "python recipes/uneven_streams.py", "python recipes/uneven_streams.py --show-mistake",
 }
 
 

@@ -33,6 +33,8 @@ __all__ = [
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
     "attached_trainer",
+    "batch_size_of",
+    "training_step_results",
     "check_can_spawn_children",
     "checkpoint_io_load_kwargs",
 
@@ -297,6 +299,22 @@ def stop_epoch_after(trainer: Any, batches: int, val_check_batch: int | None) ->
         trainer.val_check_batch = val_check_batch
 
 
+def batch_size_of(batch: Any) -> int:
+    """A batch's sample count as ``self.log`` infers it (the first tensor's length; 1 when there is none)."""
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    try:
+        return int(extract_batch_size(batch))
+    except Exception:  # noqa: BLE001 - Lightning raises MisconfigurationException on a batch without tensors
+        return 1
+
+
+def training_step_results(trainer: Any) -> list[Any]:
+    """The training loop's logged values (``self.log`` in training hooks), as torchmetrics ``Metric`` objects
+    whose states hold the epoch's accumulation (``_ResultMetric``: ``value``, ``cumulated_batch_size``)."""
+    return list(trainer.fit_loop.epoch_loop._results.values())
+
+
 def train_combined_loader(trainer: Any) -> Any:
     """The fit loop's ``CombinedLoader`` (its ``limits`` hold the batch count of each training loader).
 
@@ -480,6 +498,13 @@ def _result_metric_file_fits() -> bool:
                and "meta" in m.__code__.co_names for m in methods)
 
 
+def _training_results_fit() -> bool:
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
+    from torchmetrics import Metric
+
+    return isinstance(_trainer().fit_loop.epoch_loop._results, _ResultCollection) and issubclass(_ResultMetric, Metric)
+
+
 def _model_parallel_fits() -> bool:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -519,6 +544,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "uneven_batches='stop_together'",
                lambda: hasattr(_trainer().fit_loop, "max_batches")
                and "trainer.val_check_batch" in inspect.getsource(type(_trainer().fit_loop))),
+    TouchPoint("lightning.pytorch.loops._TrainingEpochLoop._results (a dict of _ResultMetric, torchmetrics Metrics)",
+               "uneven_batches='join': a stand-in step's self.log values are not accumulated",
+               _training_results_fit),
     TouchPoint("lightning.pytorch.loops._FitLoop._combined_loader (CombinedLoader.limits)",
                "resume on another world size: batch count of later epochs",
                lambda: hasattr(_trainer().fit_loop, "_combined_loader")),

@@ -30,7 +30,7 @@ from lightning_sync._compat.torch_api import (DDP_IGNORE_ATTR, all_gather_single
                                              rank_not_in_group)
 from lightning_sync.errors import CollectiveMismatchError, LightningSyncError, RankMismatchError
 from lightning_sync.guard import report
-from lightning_sync.guard.callsite import CallSites
+from lightning_sync.guard.callsite import CallSites, is_trusted
 from lightning_sync.guard.fingerprint import Fingerprint, Recorder
 from lightning_sync.guard.intercept import Interceptor, group_backend
 from lightning_sync.guard.protocol import Exchange, stream_key
@@ -58,6 +58,23 @@ class _Guarded:
 
     def __exit__(self, *exc: object) -> None:
         self._guard._depth -= 1
+
+
+class _Refusing:
+    """``CollectiveGuard.refusing``'s context manager (nestable: the innermost refusal applies)."""
+
+    __slots__ = ("_guard", "_error", "_previous")
+
+    def __init__(self, guard: CollectiveGuard, error: Callable[[str, str], BaseException]) -> None:
+        self._guard, self._error = guard, error
+        self._previous: Callable[[str, str], BaseException] | None = None
+
+    def __enter__(self) -> None:
+        self._previous = self._guard._refusal
+        self._guard._refusal = self._error
+
+    def __exit__(self, *exc: object) -> None:
+        self._guard._refusal = self._previous
 
 
 class _Nothing:
@@ -149,6 +166,7 @@ class CollectiveGuard:
         self._stream = "w"
         self._rank = 0
         self._depth = 0
+        self._refusal: Callable[[str, str], BaseException] | None = None  # see refusing()
         self._module: weakref.ref[torch.nn.Module] | None = None
         self._write_lock = threading.Lock()
         self.checks = 0  # guarded collectives so far (for tests and the benchmark)
@@ -306,6 +324,25 @@ class CollectiveGuard:
             self._confirm(fp, op, group)
         return _Guarded(self)
 
+    def refusing(self, error: Callable[[str, str], BaseException]) -> Any:
+        """Context manager: inside, a user's collective (one the guard would check, not a trusted caller's
+        nor torchmetrics') raises ``error(op, call_site)`` instead of running. For blocks that every rank
+        enters together and in which no collective of the user's can be right (a training step with a
+        stand-in batch under ``uneven_batches="join"``): every rank reaches the same call and raises."""
+        return _Refusing(self, error)
+
+    def _refuse(self, op: str, frame: Any) -> None:
+        refusal = self._refusal
+        if refusal is None or frame.f_globals.get("__name__", "").startswith("torchmetrics."):
+            return
+        caller = frame
+        while caller is not None and caller.f_globals.get("__name__") == "lightning_sync.collectives":
+            caller = caller.f_back  # a call through lightning_sync.collectives: who made it
+        if caller is not None and caller is not frame and is_trusted(caller):
+            return  # lightning_sync's own symmetric collectives (SyncBatchNorm's input check, ...)
+        site = self._sites.find(frame) if self._sites is not None else "?"
+        raise refusal(op, site)
+
     def check(self, op: str, match: str = "", group: Any = None, _skip: int = 1) -> None:
         """Record ``op`` and wait until the neighbouring rank's sequence confirms it (a synchronous check).
 
@@ -398,6 +435,8 @@ class CollectiveGuard:
         """lightning_sync.collectives: record its call; the token goes into its metadata exchange."""
         if self._depth:  # inside a guarded operation (its own fingerprint covers it): nested calls pass
             return 0
+        if self._refusal is not None:
+            self._refuse(f"lightning_sync.collectives.{name}", sys._getframe(1))
         fp = self._record(name, "", group, sys._getframe(1))
         if fp is None:
             return 0

@@ -177,6 +177,8 @@ class Interceptor:
             frame = sys._getframe(1)
             if guard._depth or is_trusted(frame):
                 return run(fn, name, args, kwargs)
+            if guard._refusal is not None:
+                guard._refuse(f"torch.distributed.{name}", frame)
             match, tensor = match_of(name, args, kwargs)
             if checks_ddp and guard._module is not None and isinstance(tensor, Tensor):
                 guard._reject_managed(tensor, frame)

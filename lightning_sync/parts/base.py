@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,15 @@ class Part:
     def process_dataloader(self, strategy: Any, dataloader: Any, trainer: Any) -> Any:
         """Return the loader to use instead of ``dataloader`` (``trainer`` may be None)."""
         return dataloader
+
+    def training_step_context(self, strategy: Any) -> Any:
+        """A context manager around each training step's forward (``strategy.training_step``) and backward
+        (``strategy.backward``); parts without it are not called on the hot path."""
+        return contextlib.nullcontext()
+
+    def scale_loss(self, strategy: Any, loss: Any) -> Any:
+        """The loss to call backward on instead of ``loss`` (manual and automatic optimisation)."""
+        return loss
 
     def run_stage_started(self, strategy: Any, trainer: Any) -> None:
         """Lightning's run-stage barrier: its signal handlers are registered, the loops start next."""

@@ -12,7 +12,7 @@ from lightning_sync.parts.guard import GuardPart
 from lightning_sync.parts.requeue import RequeuePart
 from lightning_sync.parts.seed import SeedLineagePart
 from lightning_sync.parts.teardown import TeardownPart
-from lightning_sync.parts.uneven import UnevenBatchPart
+from lightning_sync.parts.uneven import UNEVEN_MODES, UnevenBatchPart
 
 __all__ = ["default_parts"]
 
@@ -28,8 +28,8 @@ def default_parts(*, owner: str, seed: int | None = None, guard: bool | Collecti
     validate_seed(seed, f"{owner}(seed=...)")
     if resume is not None and not isinstance(resume, str):
         raise TypeError(f"{owner}(resume={resume!r}): use None, 'auto' or a directory path.")
-    if uneven_batches not in ("error", "stop_together"):
-        raise ValueError(f"{owner}(uneven_batches={uneven_batches!r}): use 'error' or 'stop_together'.")
+    if uneven_batches not in UNEVEN_MODES:
+        raise ValueError(f"{owner}(uneven_batches={uneven_batches!r}): use 'error', 'stop_together' or 'join'.")
     parts: list[Part] = []
     if guard:
         chosen = guard if isinstance(guard, CollectiveGuard) else CollectiveGuard()
@@ -39,7 +39,8 @@ def default_parts(*, owner: str, seed: int | None = None, guard: bool | Collecti
         parts.append(GuardPart(chosen))
     if exact_eval:
         parts.append(ExactEvalPart())
-    parts += [SeedLineagePart(seed), UnevenBatchPart(uneven_batches), ResumableDataPart(resume),
+    # UnevenBatchPart after ResumableDataPart: it wraps the training loader that part made resumable
+    parts += [SeedLineagePart(seed), ResumableDataPart(resume), UnevenBatchPart(uneven_batches),
               CheckpointStatePart(), RequeuePart(), TeardownPart()]
     return parts
 

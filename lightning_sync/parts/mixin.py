@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import contextlib
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -17,6 +20,7 @@ from lightning_sync.parts.base import Part
 from lightning_sync.parts.evaluation import ALL_GATHER_FIX, ExactEvalPart
 from lightning_sync.parts.guard import GuardPart
 from lightning_sync.parts.seed import SeedLineagePart
+from lightning_sync.parts.uneven import UnevenBatchPart
 from lightning_sync.resume import init_process_group_after_restart
 from lightning_sync.sampling import is_integer_mean
 from lightning_sync.seeding import SeedLineage
@@ -36,9 +40,16 @@ class SyncStrategyMixin:
     """
 
     _parts: tuple[Part, ...] = ()
+    _step_parts: tuple[Part, ...] = ()
+    _loss_parts: tuple[Part, ...] = ()
+    _uneven: UnevenBatchPart | None = None
 
     def _init_parts(self, parts: Sequence[Part]) -> None:
         self._parts = tuple(parts)
+        # the parts with per-step hooks: the others cost nothing on the hot path
+        self._step_parts = tuple(p for p in parts if type(p).training_step_context is not Part.training_step_context)
+        self._loss_parts = tuple(p for p in parts if type(p).scale_loss is not Part.scale_loss)
+        self._uneven = self.part(UnevenBatchPart)
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -97,6 +108,14 @@ class SyncStrategyMixin:
         return part.guard if part is not None else None
 
     @property
+    def stand_in_step(self) -> bool:
+        """True while this rank runs a stand-in training step (``uneven_batches="join"``: it ran out of data
+        and repeats its last batch, with no contribution, until every rank is done). Code in
+        ``training_step`` that records or writes per-sample results can skip such steps."""
+        share = self._uneven.current if self._uneven is not None else None
+        return share is not None and share.shadow
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # The root seed reaches the DistributedSampler Lightning injects explicitly (Lightning reads
         # PL_GLOBAL_SEED only when no seed is given): no environment variable carries it.
@@ -108,6 +127,12 @@ class SyncStrategyMixin:
     # ------------------------------------------------------------------ collectives Lightning makes
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        uneven = self._uneven
+        if uneven is not None and uneven.current is not None and isinstance(tensor, Tensor):
+            # a training step with stand-ins (uneven_batches="join"): the ranks with data only
+            out = uneven.reduce(tensor, reduce_op, lambda t, op: self._guarded_reduce(t, group, op))
+            if out is not None:
+                return out
         exact = self.part(ExactEvalPart)
         if exact is not None and isinstance(tensor, Tensor):
             exact.check_step_collective(self, "self.log(..., sync_dist=True)")
@@ -131,6 +156,9 @@ class SyncStrategyMixin:
         if exact is not None:
             exact.check_step_collective(self, "all_gather")
         strategy: Any = self
+        guard = self.guard
+        if guard is not None and self._uneven is not None and self._uneven.current is not None:
+            guard._refuse("self.all_gather", sys._getframe(1))  # a step with stand-ins: named as the user wrote it
         if isinstance(tensor, Tensor) and strategy.world_size > 1:
             # torch's all_gather needs one shape on every rank; with another, gloo aborts one rank and hands
             # the other garbage. Exact evaluation gives ranks last batches of different sizes, so say so first.
@@ -144,6 +172,24 @@ class SyncStrategyMixin:
         for p in self._parts:
             p.setup(self, trainer)
         install_first(trainer, [cb for p in self._parts for cb in p.callbacks(self)])
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._step_parts:
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+        with contextlib.ExitStack() as stack:
+            for p in self._step_parts:
+                stack.enter_context(p.training_step_context(self))
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        for p in self._loss_parts:
+            closure_loss = p.scale_loss(self, closure_loss)
+        if not self._step_parts:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+        with contextlib.ExitStack() as stack:
+            for p in self._step_parts:
+                stack.enter_context(p.training_step_context(self))
+            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
 
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]

@@ -1,24 +1,238 @@
-"""``UnevenBatchPart``: ranks with different numbers of training batches are caught at epoch start."""
+"""``UnevenBatchPart``: ranks with different amounts of training data: a clear error, a common stop, or a join.
+
+``"error"`` (the default) and ``"stop_together"`` compare the ranks' batch counts at every epoch's
+start (loaders with a length) and, for loaders without one (``IterableDataset``), batch by batch
+(``lightning_sync.joining``). ``"join"``: every batch of every rank is trained on once; a rank that
+ran out repeats its last batch as a *stand-in* so that it runs the same step and meets every
+collective the others make, and this part makes the stand-in count for nothing:
+
+* the gradient: each rank's loss is scaled by ``world * n_rank / sum(n)`` before backward (0 for a
+  stand-in), so DDP's mean over ranks is the mean over the step's real samples;
+* ``self.log(..., sync_dist=True)`` per step: the stand-in rank's value is left out of the
+  reduction (mean over the ranks with data); nothing a stand-in step logs is accumulated into the
+  epoch's values, nor into the module's torchmetrics metrics (their states are put back);
+* SyncBatchNorm (``lightning_sync.batchnorm.joined_step``): a stand-in contributes a count of zero;
+* a collective of the user's own in ``training_step`` cannot be made neutral: under the guard every
+  rank raises :class:`~lightning_sync.UnevenTrainingError` at it, naming the rank that ran out.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_sync._compat import lightning_api as _compat
+from lightning_sync._compat.torch_api import all_gather_single
+from lightning_sync.errors import UnevenTrainingError
+from lightning_sync.joining import AgreeingLoader, StepShare, wrap_training_loader
 from lightning_sync.parts.base import Part
 
-__all__ = ["UnevenBatchPart"]
+__all__ = ["UNEVEN_MODES", "UnevenBatchPart"]
+
+UNEVEN_MODES = ("error", "stop_together", "join")
 
 
 class UnevenBatchPart(Part):
-    """``"error"``: a clear error at epoch start instead of a hang in the gradient all-reduce;
-    ``"stop_together"``: every rank's epoch ends when the shortest rank runs out."""
+    """Ranks with different numbers of training batches (``uneven_batches=``; see the module doc)."""
 
     def __init__(self, uneven_batches: str) -> None:
         self.uneven_batches = uneven_batches
+        self.loader: AgreeingLoader | None = None  # the training loader, where it is wrapped
+        self.current: StepShare | None = None  # the running training step's share, when it has stand-ins
+        self._saved: list[tuple[Any, dict[str, Any]]] | None = None  # metric states before a stand-in step
+        self._trainer: Any = None
+
+    # ------------------------------------------------------------------ hooks
 
     def callbacks(self, strategy: Any) -> Sequence[Any]:
         from lightning_sync.callbacks.resume import ResumeEpochLength
         from lightning_sync.strategy_checks import UnevenBatchCheck
 
-        return (UnevenBatchCheck(self.uneven_batches), ResumeEpochLength())
+        steps = (_JoinedSteps(self),) if self.uneven_batches == "join" else ()
+        return (UnevenBatchCheck(self.uneven_batches), ResumeEpochLength(), *steps)
+
+    def setup(self, strategy: Any, trainer: Any) -> None:
+        if self.uneven_batches != "join" or strategy.world_size < 2:
+            return
+        native = [name for name, m in strategy.lightning_module.named_modules()
+                  if isinstance(m, torch.nn.SyncBatchNorm)]
+        if native:
+            raise ValueError(
+                f"uneven_batches='join': the model has torch.nn.SyncBatchNorm layers ({', '.join(native[:5])}"
+                f"{', ...' if len(native) > 5 else ''}), whose statistics would count a joined rank's stand-in "
+                "batch. Use lightning_sync's SyncBatchNorm, which gives a stand-in a count of zero: "
+                "Trainer(sync_batchnorm=True) with plain BatchNorm layers, or lightning_sync.convert_sync_batchnorm(model).")
+
+    def process_dataloader(self, strategy: Any, dataloader: Any, trainer: Any) -> Any:
+        if trainer is None or not trainer.training or strategy.world_size < 2:
+            return dataloader
+        wrapped = wrap_training_loader(dataloader, self.uneven_batches, lambda record: self._agree(strategy, record),
+                                       strategy.global_rank, strategy.world_size, _compat.batch_size_of)
+        self.loader = wrapped if isinstance(wrapped, AgreeingLoader) else None
+        return wrapped
+
+    def training_step_context(self, strategy: Any) -> Any:
+        share = self.current
+        if share is None or not share.joined:
+            return contextlib.nullcontext()
+        return self._joined(strategy, share)
+
+    def scale_loss(self, strategy: Any, loss: Any) -> Any:
+        share = self.current
+        if share is None or not isinstance(loss, Tensor):
+            return loss
+        scale = share.loss_scale
+        return loss if scale == 1.0 else loss * scale
+
+    def reduce(self, tensor: Tensor, reduce_op: Any, run: Callable[[Tensor, Any], Tensor]) -> Tensor | None:
+        """``self.log(sync_dist=True)`` in a step with stand-ins: the reduction over the ranks with data only
+        (``run(tensor, op)`` does the collective). None: an ordinary step, reduce as usual."""
+        share = self.current
+        if share is None or not share.joined:
+            return None
+        op = (reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1]).lower()
+        shadow = share.shadow
+        if op in ("mean", "avg"):
+            value = tensor if tensor.is_floating_point() else tensor.to(torch.get_default_dtype())
+            out = run(torch.zeros_like(value) if shadow else value, "sum")
+            return out / share.live
+        if op == "sum":
+            return run(torch.zeros_like(tensor) if shadow else tensor, "sum")
+        if op in ("max", "min") and shadow:
+            info = torch.finfo(tensor.dtype) if tensor.is_floating_point() else torch.iinfo(tensor.dtype)
+            neutral = (-float("inf") if op == "max" else float("inf")) if tensor.is_floating_point() else (
+                info.min if op == "max" else info.max)
+            return run(torch.full_like(tensor, neutral), op)
+        return run(tensor, reduce_op)
+
+    # ------------------------------------------------------------------ machinery
+
+    def _agree(self, strategy: Any, record: list[int]) -> list[list[int]]:
+        """Every rank's record of this batch (one all-gather of a few int64, a guarded operation)."""
+        world = strategy.world_size
+        mine = torch.tensor(record, dtype=torch.int64, device=strategy.root_device)
+        every = torch.empty(world * len(record), dtype=torch.int64, device=strategy.root_device)
+        guard = strategy.guard
+        with guard.guarded("uneven_batches batch agreement", f"int64[{len(record)}]") if guard is not None \
+                else contextlib.nullcontext():
+            all_gather_single(every, mine)
+        return every.view(world, -1).tolist()
+
+    @contextlib.contextmanager
+    def _joined(self, strategy: Any, share: StepShare) -> Iterator[None]:
+        from lightning_sync.batchnorm import joined_step
+
+        guard = strategy.guard
+        with joined_step(share.shadow), (guard.refusing(lambda op, site: _refused(share, op, site))
+                                         if guard is not None else contextlib.nullcontext()):
+            yield
+
+    def start_step(self, trainer: Any, module: Any) -> None:
+        """A training batch starts: take its share; before a stand-in step, keep the metric states."""
+        self.end_stand_in()
+        loader = self.loader
+        self.current = loader.shares.popleft() if loader is not None and loader.shares else None
+        if self.current is not None and self.current.shadow:
+            metrics = [*_compat.training_step_results(trainer), *_module_metrics(module)]
+            self._saved = [(m, _states(m)) for m in metrics]
+            self._trainer = trainer
+
+    def end_stand_in(self) -> None:
+        """Put back the metric states a stand-in step changed (at the next batch or the epoch's end, after
+        every hook of the step and Lightning's own step-end logging ran); a value first logged in a stand-in
+        step is emptied (its epoch value comes from the ranks with data)."""
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return
+        for metric, states in saved:
+            _put_back(metric, states)
+        known = {id(m) for m, _ in saved}
+        for metric in _compat.training_step_results(self._trainer):
+            if id(metric) not in known and getattr(metric, "is_tensor", False):
+                metric.reset()
+
+
+class _JoinedSteps(pl.Callback):
+    """``uneven_batches="join"``: each training step's share (first of every callback)."""
+
+    def __init__(self, part: UnevenBatchPart) -> None:
+        self.part = part
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_sync.strategy_checks import _loaders
+
+        loaders = _loaders(trainer)
+        if trainer.world_size > 1 and len(loaders) > 1:  # the same on every rank: every rank raises
+            raise ValueError(
+                f"uneven_batches='join' takes one training loader; this fit has {len(loaders)} (a list or dict of "
+                "loaders). Combine them into one loader (one dataset yielding the combined batch), or use "
+                "uneven_batches='error' / 'stop_together'.")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.part.start_step(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.part.current = None  # validation within the epoch is no part of the step
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.part.end_stand_in()
+        self.part.current = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.part.current = None
+        self.part._saved = None
+
+
+def _refused(share: StepShare, op: str, site: str) -> UnevenTrainingError:
+    shown = {r: (f"ran out after {d} batches" if d is not None else "has data")
+             for r, d in enumerate(share.done_after)}
+    return UnevenTrainingError(
+        f"{op} at {site}, at training batch {share.step} of this epoch, while {share.describe()} "
+        "(uneven_batches='join': a rank that ran out runs stand-in steps on its last batch to meet the others' "
+        "collectives). A collective of your own in training_step cannot be made neutral: the stand-in's values "
+        "would be counted as data. Every rank raises this error. Use self.log(..., sync_dist=True) or a "
+        "torchmetrics metric (both are joined), move the collective to on_train_epoch_end (every rank runs it "
+        "together once the epoch is over), or give every rank the same number of batches and use "
+        "uneven_batches='error'.",
+        shown,
+    )
+
+
+def _module_metrics(module: Any) -> list[Any]:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - a dependency of Lightning
+        return []
+    return [m for m in module.modules() if isinstance(m, Metric)]
+
+
+def _states(metric: Any) -> dict[str, Any]:
+    """A metric's accumulated states: (the object, a copy) per state, and its update bookkeeping."""
+    states: dict[str, Any] = {}
+    for name in getattr(metric, "_defaults", {}):
+        value = getattr(metric, name)
+        states[name] = (value, value.clone() if isinstance(value, Tensor) else list(value) if isinstance(value, list)
+                        else value)
+    states["_update_count"] = (None, getattr(metric, "_update_count", 0))
+    return states
+
+
+def _put_back(metric: Any, states: dict[str, Any]) -> None:
+    if hasattr(metric, "_computed"):
+        object.__setattr__(metric, "_computed", None)  # a cached compute() of other states: recomputed
+    for name, (original, copy) in states.items():
+        current = getattr(metric, name, None)
+        if isinstance(copy, Tensor) and current is original and isinstance(current, Tensor) \
+                and current.shape == copy.shape:
+            current.copy_(copy)  # in place: metrics sharing a state tensor (compute groups) keep sharing it
+        elif isinstance(copy, list) and isinstance(current, list) and current is original:
+            current[:] = copy
+        else:
+            object.__setattr__(metric, name, copy) if name.startswith("_") else setattr(metric, name, copy)

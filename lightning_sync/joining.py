@@ -30,7 +30,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_sync.errors import UnevenTrainingError, format_ranks
 
-__all__ = ["STATE_KEY", "AgreeingLoader", "StepShare", "wrap_training_loader"]
+__all__ = ["STATE_KEY", "AgreeingLoader", "StepShare", "wrap_evaluation_loader", "wrap_training_loader"]
 
 #: The key of this module's part of a wrapped loader's state (``loader.state_dict()``).
 STATE_KEY = "lightning_sync_uneven"
@@ -100,7 +100,7 @@ class AgreeingLoader:
     ``sampler``, ``dataset``, ``state_dict`` ...). Build it with :func:`wrap_training_loader`.
     """
 
-    _own = frozenset({"loader", "mode", "_agree", "_rank", "_world", "_batch_size", "shares", "_stand_in",
+    _own = frozenset({"loader", "mode", "_agree", "_rank", "_world_n", "_batch_size", "shares", "_stand_in",
                       "_length", "_warned", "_live", "_resumed"})
 
     def __init__(self, loader: Any, mode: str, agree: Agree, rank: int, world: int,
@@ -109,7 +109,7 @@ class AgreeingLoader:
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "_agree", agree)
         object.__setattr__(self, "_rank", rank)
-        object.__setattr__(self, "_world", world)
+        object.__setattr__(self, "_world_n", world)
         object.__setattr__(self, "_batch_size", batch_size)
         #: The agreed share of each fetched batch, in fetch order; the part takes one per training step
         #: (None: an even step). Lightning fetches one batch ahead of the step on unsized loaders.
@@ -220,6 +220,18 @@ def wrap_training_loader(loader: Any, mode: str, agree: Agree, rank: int, world:
         wrapped._length = max(r[1] for r in rows)
         return wrapped
     return AgreeingLoader(loader, mode, agree, rank, world, batch_size)
+
+
+def wrap_evaluation_loader(loader: Any, agree: Agree, rank: int, world: int,
+                           batch_size: Callable[[Any], int]) -> Any:
+    """An evaluation ``loader`` under ``"join"``: wrapped where some rank's loader has no length (a stream, whose
+    ranks may run out apart), so per-step collectives in the evaluation step are joined; unchanged otherwise
+    (exact evaluation cuts map-style loaders into equal steps where it can). Every rank calls this together."""
+    length = _sized_len(loader)
+    rows = agree([int(length is not None), -1 if length is None else length, 0, 0])
+    if all(r[0] for r in rows):
+        return loader
+    return AgreeingLoader(loader, "join", agree, rank, world, batch_size)
 
 
 class _Even:

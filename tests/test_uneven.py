@@ -187,9 +187,11 @@ def check_against_one_process(reports: list[dict[str, Any]], split: str, workers
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_join_trains_every_sample_of_a_60_40_stream_once(tmp_path: Path) -> None:
-    _, reports = fit(tmp_path)
+    # ModelCheckpoint's top-k decision (a reduction every rank makes at batch end) during stand-in steps too
+    _, reports = fit(tmp_path, "--checkpoint")
     check_against_one_process(reports, "60/40")
     assert sum(1 for s in reports[1]["steps"] if not s) == 6  # rank 1's 13 batches, then 6 stand-ins
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 2
 
 
 @pytest.mark.slow
@@ -287,3 +289,24 @@ def test_validation_within_the_epoch_runs_on_every_rank_together(tmp_path: Path)
     _, reports = fit(tmp_path, "--val-every", "5")
     assert [rep["validated"] for rep in reports] == [[5, 10, 15]] * 2  # rank 1 in stand-in steps from step 13
     assert reports[0]["metrics"]["samples"] == 1001 and "val_loss" in reports[0]["metrics"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_per_step_sync_dist_on_uneven_evaluation_streams_is_joined_and_epoch_values_stay_exact(tmp_path: Path) -> None:
+    # trainer.validate over a 60/40 stream (2 workers) with a per-step self.log(sync_dist=True): rank 1 meets
+    # rank 0's last 6 per-step reductions with stand-ins; the epoch values are one process's over all samples.
+    _, reports = fit(tmp_path, "--validate-stream", "--workers", "2")
+    script = load_script(SCRIPT)
+    net = script.build_net(False).eval()
+    xs, ys = zip(*(script.sample(i) for i in range(script.N)))
+    with torch.no_grad():
+        logits = net(torch.stack(xs))
+    target = torch.tensor(ys)
+    for rep in reports:
+        assert "error" not in rep, rep["error"]
+        assert rep["metrics"]["val_n"] == script.N
+        assert rep["metrics"]["val_loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, target)),
+                                                           rel=1e-5)
+        assert rep["metrics"]["val_acc"] == pytest.approx(float((logits.argmax(1) == target).float().mean()),
+                                                          abs=1e-6)

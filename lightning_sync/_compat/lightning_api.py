@@ -34,7 +34,7 @@ __all__ = [
     "SubprocessScriptLauncher",
     "attached_trainer",
     "batch_size_of",
-    "training_step_results",
+    "running_results",
     "check_can_spawn_children",
     "checkpoint_io_load_kwargs",
 
@@ -309,10 +309,12 @@ def batch_size_of(batch: Any) -> int:
         return 1
 
 
-def training_step_results(trainer: Any) -> list[Any]:
-    """The training loop's logged values (``self.log`` in training hooks), as torchmetrics ``Metric`` objects
-    whose states hold the epoch's accumulation (``_ResultMetric``: ``value``, ``cumulated_batch_size``)."""
-    return list(trainer.fit_loop.epoch_loop._results.values())
+def running_results(trainer: Any) -> dict[str, Any]:
+    """The running loop's logged values (``self.log`` in its hooks: training, or the evaluation running now): a
+    dict of torchmetrics ``Metric`` objects whose states hold the epoch's accumulation (``_ResultMetric``:
+    ``value``, ``cumulated_batch_size``). Keys appear as they are first logged."""
+    results = trainer._results
+    return results if results is not None else {}
 
 
 def train_combined_loader(trainer: Any) -> Any:
@@ -502,7 +504,8 @@ def _training_results_fit() -> bool:
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
     from torchmetrics import Metric
 
-    return isinstance(_trainer().fit_loop.epoch_loop._results, _ResultCollection) and issubclass(_ResultMetric, Metric)
+    return (isinstance(_trainer().fit_loop.epoch_loop._results, _ResultCollection) and issubclass(_ResultMetric, Metric)
+            and isinstance(getattr(type(_trainer()), "_results", None), property))
 
 
 def _model_parallel_fits() -> bool:
@@ -544,7 +547,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "uneven_batches='stop_together'",
                lambda: hasattr(_trainer().fit_loop, "max_batches")
                and "trainer.val_check_batch" in inspect.getsource(type(_trainer().fit_loop))),
-    TouchPoint("lightning.pytorch.loops._TrainingEpochLoop._results (a dict of _ResultMetric, torchmetrics Metrics)",
+    TouchPoint("lightning.pytorch.Trainer._results (the running loop's dict of _ResultMetric, torchmetrics Metrics)",
                "uneven_batches='join': a stand-in step's self.log values are not accumulated",
                _training_results_fit),
     TouchPoint("lightning.pytorch.loops._FitLoop._combined_loader (CombinedLoader.limits)",

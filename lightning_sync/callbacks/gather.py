@@ -161,8 +161,8 @@ class ValidationGather(pl.Callback):
             self._collectors = {}
 
     def _batch_end(self, trainer: pl.Trainer, stage: Stage, outputs: Any, batch_idx: int, dataloader_idx: int) -> None:
-        if stage not in self.stages:
-            return
+        if stage not in self.stages or getattr(trainer.strategy, "stand_in_step", False):
+            return  # a stand-in step (uneven_batches="join") repeats a batch this rank already had
         collector = self._collectors.setdefault(dataloader_idx, RowCollector(offload_to_cpu=self.offload_to_cpu))
         loaders = active_loaders(trainer, stage)
         loader = loaders[dataloader_idx] if dataloader_idx < len(loaders) else None

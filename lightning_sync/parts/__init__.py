@@ -31,8 +31,8 @@ part                     guarantee                                              
 
 Hooks (``Part``; every one optional, called on every rank): ``before_setup_distributed``,
 ``setup_distributed(strategy, fresh)``, ``setup(strategy, trainer)``, ``callbacks(strategy)``,
-``process_dataloader(strategy, loader, trainer)``, ``training_step_context`` (around each training
-step's forward and backward), ``scale_loss``, ``run_stage_started``, ``on_train_start``,
+``process_dataloader(strategy, loader, trainer)``, ``step_context`` (around each training, validation
+and test step, and each backward), ``scale_loss``, ``run_stage_started``, ``on_train_start``,
 ``on_save_checkpoint(strategy, checkpoint)``, ``on_load_checkpoint(strategy, checkpoint, fitting)``,
 ``configure_launcher``, ``on_exception``, ``before_teardown``, ``closing`` (the run's last collectives,
 group healthy), ``after_teardown`` (always).

@@ -37,9 +37,9 @@ class Part:
         """Return the loader to use instead of ``dataloader`` (``trainer`` may be None)."""
         return dataloader
 
-    def training_step_context(self, strategy: Any) -> Any:
-        """A context manager around each training step's forward (``strategy.training_step``) and backward
-        (``strategy.backward``); parts without it are not called on the hot path."""
+    def step_context(self, strategy: Any) -> Any:
+        """A context manager around each training, validation and test step (``strategy.training_step`` ...)
+        and each backward (``strategy.backward``); parts without it are not called on the hot path."""
         return contextlib.nullcontext()
 
     def scale_loss(self, strategy: Any, loss: Any) -> Any:

@@ -47,7 +47,7 @@ class SyncStrategyMixin:
     def _init_parts(self, parts: Sequence[Part]) -> None:
         self._parts = tuple(parts)
         # the parts with per-step hooks: the others cost nothing on the hot path
-        self._step_parts = tuple(p for p in parts if type(p).training_step_context is not Part.training_step_context)
+        self._step_parts = tuple(p for p in parts if type(p).step_context is not Part.step_context)
         self._loss_parts = tuple(p for p in parts if type(p).scale_loss is not Part.scale_loss)
         self._uneven = self.part(UnevenBatchPart)
 
@@ -128,8 +128,8 @@ class SyncStrategyMixin:
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         uneven = self._uneven
-        if uneven is not None and uneven.current is not None and isinstance(tensor, Tensor):
-            # a training step with stand-ins (uneven_batches="join"): the ranks with data only
+        if uneven is not None and uneven.in_step and isinstance(tensor, Tensor):
+            # inside a step with stand-ins (uneven_batches="join"): the ranks with data only
             out = uneven.reduce(tensor, reduce_op, lambda t, op: self._guarded_reduce(t, group, op))
             if out is not None:
                 return out
@@ -157,7 +157,7 @@ class SyncStrategyMixin:
             exact.check_step_collective(self, "all_gather")
         strategy: Any = self
         guard = self.guard
-        if guard is not None and self._uneven is not None and self._uneven.current is not None:
+        if guard is not None and self._uneven is not None and self._uneven.in_step:
             guard._refuse("self.all_gather", sys._getframe(1))  # a step with stand-ins: named as the user wrote it
         if isinstance(tensor, Tensor) and strategy.world_size > 1:
             # torch's all_gather needs one shape on every rank; with another, gloo aborts one rank and hands
@@ -176,19 +176,33 @@ class SyncStrategyMixin:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._step_parts:
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
-        with contextlib.ExitStack() as stack:
-            for p in self._step_parts:
-                stack.enter_context(p.training_step_context(self))
+        with self._step_context():
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._step_parts:
+            return super().validation_step(*args, **kwargs)  # type: ignore[misc]
+        with self._step_context():
+            return super().validation_step(*args, **kwargs)  # type: ignore[misc]
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._step_parts:
+            return super().test_step(*args, **kwargs)  # type: ignore[misc]
+        with self._step_context():
+            return super().test_step(*args, **kwargs)  # type: ignore[misc]
+
+    def _step_context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for p in self._step_parts:
+            stack.enter_context(p.step_context(self))
+        return stack
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         for p in self._loss_parts:
             closure_loss = p.scale_loss(self, closure_loss)
         if not self._step_parts:
             return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
-        with contextlib.ExitStack() as stack:
-            for p in self._step_parts:
-                stack.enter_context(p.training_step_context(self))
+        with self._step_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
 
     def process_dataloader(self, dataloader: object) -> object:

@@ -29,7 +29,7 @@ from torch import Tensor
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.torch_api import all_gather_single
 from lightning_sync.errors import UnevenTrainingError
-from lightning_sync.joining import AgreeingLoader, StepShare, wrap_training_loader
+from lightning_sync.joining import AgreeingLoader, StepShare, wrap_evaluation_loader, wrap_training_loader
 from lightning_sync.parts.base import Part
 
 __all__ = ["UNEVEN_MODES", "UnevenBatchPart"]
@@ -43,9 +43,10 @@ class UnevenBatchPart(Part):
     def __init__(self, uneven_batches: str) -> None:
         self.uneven_batches = uneven_batches
         self.loader: AgreeingLoader | None = None  # the training loader, where it is wrapped
-        self.current: StepShare | None = None  # the running training step's share, when it has stand-ins
+        self.current: StepShare | None = None  # the running batch's share (until the next batch or the epoch's end)
+        self.in_step = 0  # inside a step (training_step, validation_step, test_step, backward): its collectives join
         self._saved: list[tuple[Any, dict[str, Any]]] | None = None  # metric states before a stand-in step
-        self._trainer: Any = None
+        self._logged: dict[str, Any] = {}  # the loop's logged values a stand-in step may add to
 
     # ------------------------------------------------------------------ hooks
 
@@ -69,14 +70,22 @@ class UnevenBatchPart(Part):
                 "Trainer(sync_batchnorm=True) with plain BatchNorm layers, or lightning_sync.convert_sync_batchnorm(model).")
 
     def process_dataloader(self, strategy: Any, dataloader: Any, trainer: Any) -> Any:
-        if trainer is None or not trainer.training or strategy.world_size < 2:
+        if trainer is None or strategy.world_size < 2:
             return dataloader
-        wrapped = wrap_training_loader(dataloader, self.uneven_batches, lambda record: self._agree(strategy, record),
-                                       strategy.global_rank, strategy.world_size, _compat.batch_size_of)
-        self.loader = wrapped if isinstance(wrapped, AgreeingLoader) else None
-        return wrapped
+        agree = (lambda record: self._agree(strategy, record))  # noqa: E731
+        if trainer.training:
+            wrapped = wrap_training_loader(dataloader, self.uneven_batches, agree, strategy.global_rank,
+                                           strategy.world_size, _compat.batch_size_of)
+            self.loader = wrapped if isinstance(wrapped, AgreeingLoader) else None
+            return wrapped
+        if self.uneven_batches == "join" and (trainer.sanity_checking or trainer.validating or trainer.testing):
+            # Evaluation streams that differ in length: per-step sync_dist is joined the same way (map-style
+            # loaders are cut into equal steps by exact evaluation where that is possible).
+            return wrap_evaluation_loader(dataloader, agree, strategy.global_rank, strategy.world_size,
+                                          _compat.batch_size_of)
+        return dataloader
 
-    def training_step_context(self, strategy: Any) -> Any:
+    def step_context(self, strategy: Any) -> Any:
         share = self.current
         if share is None or not share.joined:
             return contextlib.nullcontext()
@@ -93,8 +102,8 @@ class UnevenBatchPart(Part):
         """``self.log(sync_dist=True)`` in a step with stand-ins: the reduction over the ranks with data only
         (``run(tensor, op)`` does the collective). None: an ordinary step, reduce as usual."""
         share = self.current
-        if share is None or not share.joined:
-            return None
+        if share is None or not share.joined or not self.in_step:
+            return None  # outside the step (a callback's decision, an epoch-end value): every rank as it is
         op = (reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1]).lower()
         shadow = share.shadow
         if op in ("mean", "avg"):
@@ -128,19 +137,23 @@ class UnevenBatchPart(Part):
         from lightning_sync.batchnorm import joined_step
 
         guard = strategy.guard
-        with joined_step(share.shadow), (guard.refusing(lambda op, site: _refused(share, op, site))
-                                         if guard is not None else contextlib.nullcontext()):
-            yield
+        self.in_step += 1
+        try:
+            with joined_step(share.shadow), (guard.refusing(lambda op, site: _refused(share, op, site))
+                                             if guard is not None else contextlib.nullcontext()):
+                yield
+        finally:
+            self.in_step -= 1
 
-    def start_step(self, trainer: Any, module: Any) -> None:
-        """A training batch starts: take its share; before a stand-in step, keep the metric states."""
+    def start_step(self, trainer: Any, module: Any, loader: AgreeingLoader | None) -> None:
+        """A training or evaluation batch of ``loader`` starts: take its share; before a stand-in step, keep the
+        metric states."""
         self.end_stand_in()
-        loader = self.loader
         self.current = loader.shares.popleft() if loader is not None and loader.shares else None
         if self.current is not None and self.current.shadow:
-            metrics = [*_compat.training_step_results(trainer), *_module_metrics(module)]
+            self._logged = _compat.running_results(trainer)
+            metrics = [*self._logged.values(), *_module_metrics(module)]
             self._saved = [(m, _states(m)) for m in metrics]
-            self._trainer = trainer
 
     def end_stand_in(self) -> None:
         """Put back the metric states a stand-in step changed (at the next batch or the epoch's end, after
@@ -152,7 +165,7 @@ class UnevenBatchPart(Part):
         for metric, states in saved:
             _put_back(metric, states)
         known = {id(m) for m, _ in saved}
-        for metric in _compat.training_step_results(self._trainer):
+        for metric in list(self._logged.values()):
             if id(metric) not in known and getattr(metric, "is_tensor", False):
                 metric.reset()
 
@@ -175,19 +188,58 @@ class _JoinedSteps(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self.part.start_step(trainer, pl_module)
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self.part.current = None  # validation within the epoch is no part of the step
+        self.part.start_step(trainer, pl_module, self.part.loader)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.part.end_stand_in()
+        self.part.current = None
+
+    # evaluation streams (validation within fit, validate, test): the same, per dataloader
+
+    def _eval_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Any, idx: int) -> None:
+        from lightning_sync.recording import active_loaders
+
+        loaders = active_loaders(trainer, stage)
+        loader = loaders[idx] if idx < len(loaders) else None
+        self.part.start_step(trainer, pl_module, loader if isinstance(loader, AgreeingLoader) else None)
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_start(trainer, pl_module, "validate", dataloader_idx)
+
+    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                            batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_start(trainer, pl_module, "test", dataloader_idx)
+
+    # Lightning computes an evaluation loader's epoch values right after its last batch (before the epoch-end
+    # hooks): a stand-in evaluation step's states are put back at its batch end (first of every callback).
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.part.end_stand_in()
+
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.part.end_stand_in()
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.part.current = None  # validation within a training epoch is no part of the training step
+
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.part.current = None
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.part.end_stand_in()
+        self.part.current = None
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.part.end_stand_in()
         self.part.current = None
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.part.current = None
         self.part._saved = None
+        self.part.in_step = 0
 
 
 def _refused(share: StepShare, op: str, site: str) -> UnevenTrainingError:

@@ -136,6 +136,7 @@ class Model(L.LightningModule):
         self.args = args
         self.net = build_net(args.syncbn)
         self.acc = torchmetrics.Accuracy("multiclass", num_classes=CLASSES)
+        self.val_acc = torchmetrics.Accuracy("multiclass", num_classes=CLASSES)
         self.steps: list[list[int]] = []
         self.validated: list[int] = []  # the global step of each validation run
 
@@ -182,7 +183,13 @@ class Model(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y, idx = batch
         self.validated.append(self.trainer.global_step) if batch_idx == 0 else None
-        self.log("val_loss", F.cross_entropy(self.net(x), y), sync_dist=True)
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("val_loss", loss, sync_dist=True, batch_size=len(idx))
+        self.log("val_step_loss", loss, on_step=True, on_epoch=False, sync_dist=True)  # a collective every step
+        self.log("val_n", float(len(idx)), reduce_fx="sum", sync_dist=True)
+        self.val_acc(logits, y)
+        self.log("val_acc", self.val_acc)
 
 
 class Crash(RuntimeError):
@@ -233,19 +240,29 @@ def main() -> None:
     p.add_argument("--save-at", type=int, default=0, help="save a checkpoint at this global step, then crash")
     p.add_argument("--resume", default=None, help="fit from this checkpoint")
     p.add_argument("--val-every", type=int, default=0, help="validate every N training batches")
+    p.add_argument("--validate-stream", action="store_true", help="trainer.validate on the ranks' uneven streams")
+    p.add_argument("--checkpoint", action="store_true", help="ModelCheckpoint top-2 by step_loss every 4 steps")
     args = p.parse_args()
     strategy: Any = (ls.SyncDDPStrategy(uneven_batches=args.mode, guard_timeout=60)
                      if args.strategy == "ddp_sync" else args.strategy)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
                         sync_batchnorm=args.syncbn, use_distributed_sampler=False, logger=False,
-                        enable_checkpointing=False, accumulate_grad_batches=args.accumulate,
-                        enable_model_summary=False, limit_val_batches=2 if args.val_every else 0,
+                        enable_checkpointing=args.checkpoint, accumulate_grad_batches=args.accumulate,
+                        callbacks=[L.pytorch.callbacks.ModelCheckpoint(
+                            Path(args.out, "ckpt"), monitor="step_loss", save_top_k=2, every_n_train_steps=4)]
+                        if args.checkpoint else None,
+                        enable_model_summary=False, limit_val_batches=2 if args.val_every else 1.0 if args.validate_stream else 0,
                         val_check_interval=args.val_every or None, num_sanity_val_steps=0)
     model = Model(args)
     report: dict[str, Any] = {}
     code = 0
     try:
-        trainer.fit(model, ckpt_path=args.resume)
+        if args.validate_stream:
+            # the loader is built before Lightning's launcher starts the ranks: each process builds its rank's
+            mine = shard(args.split, args.devices, int(os.environ.get("LOCAL_RANK", 0)))
+            trainer.validate(model, DataLoader(Stream(mine), batch_size=BATCH, num_workers=args.workers))
+        else:
+            trainer.fit(model, ckpt_path=args.resume)
     except Exception as err:  # noqa: BLE001 - the report says what each rank raised
         report["error"] = f"{type(err).__name__}: {err}"
         code = 3

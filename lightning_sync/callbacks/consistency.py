@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_sync import collectives
 from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, ddp_ignored_names
 from lightning_sync.errors import ParameterDivergenceError, RankMismatchError, format_ranks
-from lightning_sync.guard.checksums import parameter_checksums
+from lightning_sync.guard.checksums import checksum, named_tensors, parameter_checksums, replica_group_key
 
 __all__ = ["ParameterConsistencyCheck", "check_replicas", "warn_if_initial_parameters_differ"]
 
@@ -42,7 +42,10 @@ def check_replicas(module: torch.nn.Module, buffers: bool = True, optimizer: tor
 
     All ranks must call it; it blocks for one gather of one float64 checksum per tensor.
     Buffers that DDP broadcasts before every forward (``broadcast_buffers=True``) are skipped: they
-    legitimately differ between forwards (BatchNorm statistics of each rank's batch).
+    legitimately differ between forwards (BatchNorm statistics of each rank's batch). Sharded
+    tensors (FSDP2's and tensor parallelism's ``DTensor``) are compared on their local shards among
+    the ranks that hold the same shard; with FSDP2 over every rank no two ranks do, so only the
+    replicated tensors (buffers, parameters left unsharded) are compared there.
 
     Args:
         module: the model, DDP-wrapped or not.
@@ -53,23 +56,26 @@ def check_replicas(module: torch.nn.Module, buffers: bool = True, optimizer: tor
     if not collectives.is_distributed():
         return
     skip = _ddp_synced_buffers(module)
-    named = list(parameter_checksums(_unwrap(module), buffers=buffers, skip=skip))
+    named = [(name, replica_group_key(t), checksum(t)) for name, t in named_tensors(_unwrap(module), buffers, skip)]
     if optimizer is not None:
         for i, state in enumerate(optimizer.state.values()):
             for key, value in sorted(state.items()):
                 if isinstance(value, torch.Tensor) and value.numel() > 1:
-                    flat = value.detach().reshape(-1).double()
-                    named.append((f"optimizer.state[{i}].{key}", float(flat.sum())))
-    gathered = collectives.gather_objects([(name, value) for name, value in named], safe=True)
+                    named.append((f"optimizer.state[{i}].{key}", replica_group_key(value), checksum(value)))
+    gathered = collectives.gather_objects(named, safe=True)
     assert gathered is not None
-    names = [[n for n, _ in rank_items] for rank_items in gathered]
+    names = [[n for n, _, _ in rank_items] for rank_items in gathered]
     if any(n != names[0] for n in names):
         raise RankMismatchError(f"check_replicas: ranks hold different sets of tensors: "
                                 f"{format_ranks({r: len(n) for r, n in enumerate(names)})} tensors. Build the same "
                                 "model on every rank.", {r: len(n) for r, n in enumerate(names)})
     for i, name in enumerate(names[0]):
-        values = {r: items[i][1] for r, items in enumerate(gathered)}
-        if len(set(values.values())) > 1 and not all(math.isnan(v) for v in values.values()):
+        holders: dict[str, dict[int, float]] = {}  # which shard -> the ranks holding it -> their checksum
+        for r, items in enumerate(gathered):
+            holders.setdefault(items[i][1], {})[r] = items[i][2]
+        for shard, values in holders.items():
+            if shard == "partial" or len(set(values.values())) <= 1 or all(math.isnan(v) for v in values.values()):
+                continue
             ignored = ddp_ignored_names(_unwrap(module))
             hint = (f"it is listed in {DDP_IGNORE_ATTR}, so DDP never syncs it: synchronise it by "
                     "hand or stop excluding it" if name in ignored else
@@ -79,8 +85,9 @@ def check_replicas(module: torch.nn.Module, buffers: bool = True, optimizer: tor
                     if name.startswith("optimizer.") else
                     "look for a parameter update outside the optimizer step on some ranks, a parameter DDP does not "
                     "manage (frozen, excluded, or created after the wrap), or find_unused_parameters issues")
+            what = f"{name!r} ({shard}, held by ranks {sorted(values)})" if shard else repr(name)
             raise ParameterDivergenceError(
-                f"model replicas diverged{' ' + where if where else ''}: {name!r} has checksum "
+                f"model replicas diverged{' ' + where if where else ''}: {what} has checksum "
                 f"{format_ranks({r: f'{v:.17g}' for r, v in values.items()})}; {hint}. Every rank must apply the "
                 "same updates to every parameter and buffer.", name, values)
 
@@ -162,7 +169,10 @@ class ParameterConsistencyCheck(pl.Callback):
     excluded from DDP (listed in the module's DDP ignore list) or updated outside the optimizer, and
     optimizer state that differs. Buffers DDP re-broadcasts before every forward are skipped.
 
-    Works with any DDP strategy. All ranks must run it (add it to the Trainer on every rank).
+    Works with any DDP strategy, and with FSDP2 (``ModelParallelStrategy``, ``"model_parallel_sync"``):
+    there sharded parameters and optimizer states are compared on the local shards of the ranks that hold
+    the same shard (none, with FSDP2 over every rank), replicated tensors on every rank. All ranks must run
+    it (add it to the Trainer on every rank).
 
     Args:
         every_n_steps: check period in optimizer steps.

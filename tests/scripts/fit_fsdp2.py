@@ -9,6 +9,9 @@ and a torchmetrics MeanSquaredError). ``full`` / ``stop`` / ``resume``: 3 epochs
 4, 7 steps a rank), uninterrupted; stopped after step 10 with a sharded checkpoint every 5 steps;
 resumed from that checkpoint (OUT/stop/last.ckpt). Every step records its batch's indices and the
 augmentation drawn in ``__getitem__``. ``guard``: rank 0 alone calls ``dist.all_reduce`` at step 2.
+``callbacks``: fit with ``ValidationGather`` (1001 validation samples) and ``ParameterConsistencyCheck``,
+then ``trainer.predict`` with a ``PredictionWriter`` (OUT/callbacks/preds.parquet). ``drift``: as
+``callbacks``, with a buffer that rank 0 alone updates.
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ def build() -> nn.Sequential:
 
 
 class Model(L.LightningModule):
-    def __init__(self, bad_step: int = -1, lr: float = 0.05) -> None:
+    def __init__(self, bad_step: int = -1, lr: float = 0.05, drift: bool = False) -> None:
         super().__init__()
+        self.drift = drift
+        self.register_buffer("seen", torch.zeros(1))
         self.lr = lr
         self.steps: list[list[Any]] = []
         self.mse = torchmetrics.MeanSquaredError()
@@ -72,6 +77,8 @@ class Model(L.LightningModule):
         if self.global_step == self.bad_step and self.global_rank == 0:
             dist.all_reduce(torch.ones(1))  # the classic mistake: a collective on one rank only
         idx, x, aug, y = batch
+        if not self.drift or self.global_rank == 0:
+            self.seen += len(idx)  # a buffer every rank updates alike (drift: rank 0 alone)
         self.steps.append([self.current_epoch, idx.tolist(), [round(float(a), 7) for a in aug]])
         return nn.functional.mse_loss(self.net(x), y)
 
@@ -81,6 +88,11 @@ class Model(L.LightningModule):
         self.log("val_mse", nn.functional.mse_loss(pred, y), sync_dist=True, batch_size=len(y))
         self.mse(pred, y)
         self.log("val_mse_metric", self.mse)
+        return {"pred": pred, "target": y}
+
+    def predict_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        _, x, _, y = batch
+        return {"pred": self.net(x).squeeze(1), "target": y.squeeze(1)}
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
@@ -101,7 +113,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--strategy", default="model_parallel_sync")
-    p.add_argument("--phase", required=True, choices=["eval", "full", "stop", "resume", "guard"])
+    p.add_argument("--phase", required=True, choices=["eval", "full", "stop", "resume", "guard", "callbacks", "drift"])
     p.add_argument("--accelerator", default="cpu", help="gpu: the tests' gpu tier (one process per GPU)")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05, help="SGD's (one rank's batches alone need a smaller one)")
@@ -130,7 +142,10 @@ def main() -> None:
                         logger=False, enable_checkpointing=args.phase == "stop", callbacks=callbacks,
                         num_sanity_val_steps=0, limit_val_batches=None if args.phase == "eval" else 0,
                         default_root_dir=out)
-    model = Model(bad_step=2 if args.phase == "guard" else -1, lr=args.lr)
+    model = Model(bad_step=2 if args.phase == "guard" else -1, lr=args.lr, drift=args.phase == "drift")
+    if args.phase in ("callbacks", "drift"):
+        callbacks_phase(args, out, model, kwargs, sync)
+        return
     if args.phase == "eval":
         trainer.validate(model, DataLoader(Points(1001), batch_size=16))
         report(out, trainer, model)
@@ -146,6 +161,34 @@ def main() -> None:
         return
     trainer.fit(model, loader, ckpt_path=ckpt)
     report(out, trainer, model, global_step=trainer.global_step)
+
+
+def callbacks_phase(args: argparse.Namespace, out: Path, model: Model, kwargs: dict[str, Any], sync: bool) -> None:
+    gather = ls.ValidationGather(metrics={
+        "{stage}_gathered_mse": lambda o: float(((o["pred"] - o["target"]) ** 2).mean())})
+    check = ls.ParameterConsistencyCheck(every_n_steps=3, optimizer_state=True)
+    strategy = (ls.SyncModelParallelStrategy(**kwargs) if sync
+                else L.pytorch.strategies.ModelParallelStrategy(**kwargs))
+    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_epochs=2,
+                        logger=False, enable_checkpointing=False, callbacks=[gather, check], num_sanity_val_steps=0,
+                        default_root_dir=out)
+    val = DataLoader(Points(1001), batch_size=16)
+    try:
+        trainer.fit(model, DataLoader(Points(50, augment=True), batch_size=4, shuffle=True), val)
+    except Exception as err:  # noqa: BLE001 - every rank records what it raised
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{trainer.global_rank}.json").write_text(json.dumps({"error": f"{type(err).__name__}: {err}"}))
+        raise
+    index = gather.gathered[0]["index"].tolist() if gather.gathered else None
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    writer = ls.PredictionWriter(out / "preds.parquet")
+    strategy = (ls.SyncModelParallelStrategy(**kwargs) if sync
+                else L.pytorch.strategies.ModelParallelStrategy(**kwargs))
+    predictor = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, logger=False,
+                          callbacks=[writer], default_root_dir=out)
+    predictor.predict(model, DataLoader(Points(1001), batch_size=16), return_predictions=False)
+    report(out, trainer, model, index=index, fit_metrics=metrics, checks=check.checks,
+           manifest_rows=writer.manifest["rows"] if writer.manifest else None)
 
 
 if __name__ == "__main__":

@@ -40,8 +40,8 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning_sync._compat.lightning_api import PathLike, checkpoint_io_load_kwargs
 from lightning_sync.errors import LightningSyncError
 
-__all__ = ["AtomicCheckpointIO", "CorruptCheckpointError", "atomic_save", "checkpoint_problem",
-           "is_complete_checkpoint"]
+__all__ = ["RANK_FILES", "AtomicCheckpointIO", "CorruptCheckpointError", "atomic_save", "checkpoint_problem",
+           "is_complete_checkpoint", "rank_file", "rank_files_problem", "sharded_checkpoint_problem"]
 
 _TMP_SUFFIX = ".lsync-tmp"
 
@@ -150,14 +150,63 @@ def _umask() -> int:
     return mask
 
 
+#: In a sharded checkpoint's directory: the folder of each rank's own state file.
+RANK_FILES = "lightning_sync"
+SHARDED_META = "meta.pt"  # Lightning's ModelParallelStrategy: the non-tensor state, written by rank 0 last
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint: written by its coordinator once every rank's data is
+
+
+def rank_file(directory: PathLike, rank: int, world_size: int) -> Path:
+    """Where rank ``rank`` of ``world_size`` keeps its state in the sharded checkpoint ``directory``."""
+    return Path(directory) / RANK_FILES / f"rank{rank}-of-{world_size}.pt"
+
+
+def rank_files_problem(directory: PathLike, world_size: int) -> str | None:
+    """Why the per-rank files of a sharded checkpoint written by ``world_size`` ranks are incomplete, or None."""
+    missing = [r for r in range(world_size) if not rank_file(directory, r, world_size).is_file()]
+    if not missing:
+        return None
+    shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+    return f"the per-rank state of rank(s) {shown} is missing from {Path(directory) / RANK_FILES}"
+
+
+def sharded_checkpoint_problem(directory: PathLike) -> str | None:
+    """Why ``directory`` is not a complete sharded checkpoint (Lightning's ``ModelParallelStrategy``: DCP
+    shards, DCP's ``.metadata``, Lightning's ``meta.pt``, lightning_sync's per-rank files), or None.
+
+    ``SyncModelParallelStrategy`` removes ``meta.pt`` before it overwrites a checkpoint directory and
+    Lightning writes it after every rank's shards, so its presence marks a finished save.
+    """
+    root = Path(directory)
+    for name in (DCP_METADATA, SHARDED_META):
+        if not (root / name).is_file():
+            return f"it is a directory without {name} (not a sharded checkpoint, or its save was cut short)"
+    problem = checkpoint_problem(root / SHARDED_META)
+    if problem is not None:
+        return f"its {SHARDED_META}: {problem}"
+    try:
+        meta = torch.load(root / SHARDED_META, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure to read it makes the checkpoint unusable
+        return f"its {SHARDED_META} does not load ({type(err).__name__}: {err})"
+    from lightning_sync.seeding import CHECKPOINT_KEY  # not at import: this module needs only torch and Lightning
+
+    entry = meta.get(CHECKPOINT_KEY) if isinstance(meta, dict) else None
+    if isinstance(entry, dict) and entry.get("rank_files"):
+        return rank_files_problem(root, int(entry["world_size"]))
+    return None
+
+
 def checkpoint_problem(path: PathLike, verify_data: bool = False) -> str | None:
     """Why ``path`` is not a complete torch checkpoint, or ``None`` if it is.
 
     Reads only the zip directory at the end of the file (a truncated file has none), so it is cheap
     for a checkpoint of any size. ``verify_data=True`` also checks every record's CRC (reads the
-    whole file: catches corruption inside, not only truncation).
+    whole file: catches corruption inside, not only truncation). A directory is checked as a sharded
+    checkpoint (:func:`sharded_checkpoint_problem`).
     """
     local = _local(path)
+    if _is_local(path) and os.path.isdir(local):
+        return sharded_checkpoint_problem(local)
     try:
         size = os.path.getsize(local)
     except OSError as err:

@@ -6,13 +6,16 @@ Registered as ``"model_parallel_sync"`` by ``import lightning_sync``. See docs/f
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
-from lightning_sync._compat.lightning_api import StrategyRegistryType
+from lightning_sync._compat.lightning_api import PathLike, StrategyRegistryType, saves_distributed_checkpoint
+from lightning_sync.checkpoint_io import DCP_METADATA, RANK_FILES, SHARDED_META
 from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.parts.mixin import SyncStrategyMixin
 from lightning_sync.parts.defaults import default_parts
@@ -59,6 +62,22 @@ class SyncModelParallelStrategy(SyncStrategyMixin, ModelParallelStrategy):
         # Lightning's ModelParallelStrategy has no setup_distributed: setup_environment calls this, then
         # builds the device mesh; configure_model runs after, under the root seed agreed here.
         self._sync_setup_distributed(super()._setup_distributed)
+
+    @override
+    def sharded_checkpoint_directory(self, path: PathLike, saving: bool) -> Path | None:
+        if saving:  # Lightning writes a DCP directory at rank 0's path (it broadcasts it too)
+            if not saves_distributed_checkpoint(self):
+                return None
+            if self.global_rank == 0 and Path(path).is_dir():
+                # Overwritten in place (save_last, every_n_train_steps): until Lightning writes meta.pt again
+                # after every rank's shards, the directory must not look complete (resume="auto" skips it).
+                # The other ranks write nothing there before this broadcast.
+                for name in (SHARDED_META, DCP_METADATA):
+                    (Path(path) / name).unlink(missing_ok=True)
+                shutil.rmtree(Path(path) / RANK_FILES, ignore_errors=True)
+            return Path(self.broadcast(path))
+        local = Path(path)
+        return local if local.is_dir() else None
 
     @classmethod
     @override

@@ -448,21 +448,30 @@ def describe_reshard(sampler_state: dict[str, Any], world_size: int) -> str:
 
 
 def find_resume_checkpoint(directories: list[Path]) -> Path | None:
-    """The newest complete checkpoint under ``directories`` (newest by modification time).
+    """The newest complete checkpoint under ``directories`` (newest by modification time): a file, or a
+    sharded checkpoint's directory (``SyncModelParallelStrategy``'s DCP checkpoints).
 
     A file cut short when its writer died (only possible outside ``AtomicCheckpointIO``, which
     renames complete files into place) fails :func:`~lightning_sync.checkpoint_io.is_complete_checkpoint`
     and is skipped with a log line; nothing is deleted.
     """
-    from lightning_sync.checkpoint_io import checkpoint_problem
+    from lightning_sync.checkpoint_io import DCP_METADATA, RANK_FILES, SHARDED_META, checkpoint_problem
 
     candidates: list[Path] = []
     for directory in directories:
-        if directory.is_dir():
-            candidates += [p for p in directory.rglob("*.ckpt") if p.is_file()]
-        elif directory.is_file():
+        if directory.is_dir() and not (directory / SHARDED_META).is_file():
+            # one-file checkpoints, and sharded ones: directories named *.ckpt (DCP shards + meta.pt)
+            candidates += [p for p in directory.rglob("*.ckpt") if p.is_file() or (p / SHARDED_META).exists()
+                           or (p / DCP_METADATA).exists()]
+        elif directory.exists():
             candidates.append(directory)
-    for path in sorted(candidates, key=lambda p: p.stat().st_mtime_ns, reverse=True):
+
+    def written(path: Path) -> int:  # a sharded checkpoint: when its last file was written
+        if not path.is_dir():
+            return path.stat().st_mtime_ns
+        return max((p.stat().st_mtime_ns for p in [path, *path.iterdir(), *path.glob(f"{RANK_FILES}/*")]), default=0)
+
+    for path in sorted(candidates, key=written, reverse=True):
         problem = checkpoint_problem(path)
         if problem is None:
             return path

@@ -210,16 +210,27 @@ class SeedLineage:
         Returns the dict to store under ``checkpoint["lightning_sync"]`` on rank 0, None elsewhere;
         ``extra`` of every rank lands in its ``"loader_states"`` list (one gather for both).
         """
-        mine = (_collect_rng_state(), extra)
+        mine = self.rank_state(extra)
         gathered = gather_objects(mine, dst=0) if is_distributed() else [mine]
         if gathered is None:
             return None
-        state = {"root_seed": self.root, "world_size": self.world_size, "rng_states": [g[0] for g in gathered]}
+        state = self.shared_state(global_step)
+        state["rng_states"] = [g["rng_state"] for g in gathered]
+        if extra is not None:
+            state["loader_states"] = [g["loader_states"] for g in gathered]
+        return state
+
+    def shared_state(self, global_step: int | None = None) -> dict[str, Any]:
+        """What every rank's checkpoint entry shares: the root seed, the world size, the global step."""
+        state: dict[str, Any] = {"root_seed": self.root, "world_size": self.world_size}
         if global_step is not None:
             state["global_step"] = global_step
-        if extra is not None:
-            state["loader_states"] = [g[1] for g in gathered]
         return state
+
+    @staticmethod
+    def rank_state(extra: Any = None) -> dict[str, Any]:
+        """This rank's part of the entry: its RNG state and ``extra`` (its loader states); no collective."""
+        return {"rng_state": _collect_rng_state(), "loader_states": extra}
 
     def pending_rng_state(self) -> dict[str, Any] | None:
         """The RNG state queued from a checkpoint for this rank (None: fresh streams)."""

@@ -169,3 +169,34 @@ def test_umask_is_read_without_changing_it(monkeypatch: pytest.MonkeyPatch) -> N
     expected = real(0o022)
     real(expected)
     assert checkpoint_io._umask() == expected and calls == []
+
+
+def test_sharded_checkpoint_is_complete_only_with_meta_and_every_rank_file(tmp_path: Path) -> None:
+    from lightning_sync.checkpoint_io import rank_file
+    from lightning_sync.resume import find_resume_checkpoint
+
+    old = tmp_path / "epoch=0-step=5.ckpt"
+    new = tmp_path / "epoch=0-step=10.ckpt"
+    for i, directory in enumerate((old, new)):
+        directory.mkdir()
+        (directory / "__0_0.distcp").write_bytes(b"shard")
+        (directory / ".metadata").write_bytes(b"dcp")
+        assert checkpoint_problem(directory) == ("it is a directory without meta.pt (not a sharded checkpoint, or "
+                                                 "its save was cut short)")
+        torch.save({"lightning_sync": {"root_seed": 1, "world_size": 3, "rank_files": "lightning_sync"}},
+                   directory / "meta.pt")
+        if i == 0:
+            for r in range(3):
+                rank_file(directory, r, 3).parent.mkdir(exist_ok=True)
+                torch.save({"rng_state": None}, rank_file(directory, r, 3))
+    rank_file(new, 1, 3).parent.mkdir()
+    torch.save({"rng_state": None}, rank_file(new, 1, 3))
+    assert checkpoint_problem(old) is None
+    assert checkpoint_problem(new) == f"the per-rank state of rank(s) 0, 2 is missing from {new / 'lightning_sync'}"
+    assert find_resume_checkpoint([tmp_path]) == old  # the newer one is incomplete
+    for r in (0, 2):
+        torch.save({"rng_state": None}, rank_file(new, r, 3))
+    assert find_resume_checkpoint([tmp_path]) == new
+    (new / "meta.pt").write_bytes((new / "meta.pt").read_bytes()[:40])  # cut short
+    assert "its meta.pt: " in (checkpoint_problem(new) or "")
+    assert find_resume_checkpoint([tmp_path]) == old

@@ -78,7 +78,35 @@ def test_evaluation_and_mid_epoch_resume(strategy: str, tmp_path: Path) -> None:
     assert all(bool(torch.isfinite(v).all()) for v in [*a.values(), *b.values()]), "a run diverged"
     same_weights = all(torch.equal(a[k], b[k]) for k in a)
     assert same_weights if sync else not same_weights
-    assert (tmp_path / "stop" / "last.ckpt").is_dir()  # Lightning's distributed checkpoint: one directory
+    last = tmp_path / "stop" / "last.ckpt"
+    assert last.is_dir()  # Lightning's distributed checkpoint: one directory
+    if not sync:
+        return
+    # each rank's RNG state and loader position: a file written by that rank, nothing gathered into meta.pt
+    assert sorted(p.name for p in (last / "lightning_sync").iterdir()) == ["rank0-of-2.pt", "rank1-of-2.pt"]
+    entry = torch.load(last / "meta.pt", weights_only=True)["lightning_sync"]
+    assert entry["rank_files"] and "rng_states" not in entry and "loader_states" not in entry
+    # resume="auto" finds the newest complete sharded checkpoint by itself, skipping a newer one cut short
+    _ok(_run(tmp_path, strategy, "autostop"))
+    torn = tmp_path / "autockpt" / "epoch=2-step=20.ckpt"
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"partial")
+    (torn / ".metadata").write_bytes(b"partial")  # no meta.pt: Lightning writes it after every rank's shards
+    proc = _run(tmp_path, strategy, "autoresume")
+    _ok(proc)
+    assert f"resume skips {torn}: it is a directory without meta.pt" in proc.stderr
+    assert "resume: resuming from " in proc.stderr
+    auto = _reports(tmp_path, "autoresume")
+    for r in range(2):
+        assert auto[r]["steps"] == full[r]["steps"][10:], f"rank {r}"
+    c = torch.load(tmp_path / "autoresume" / "full.pt")
+    assert all(torch.equal(a[k], c[k]) for k in a)
+    # a rank's file missing (a copy in part): a clear error, not other batches
+    (last / "lightning_sync" / "rank1-of-2.pt").unlink()
+    proc = _run(tmp_path, strategy, "resume")
+    assert proc.returncode != 0
+    assert "ResumeError: resume: the checkpoint keeps each rank's RNG state and loader position in a file of its own, " \
+           "and rank 1's is missing" in proc.stderr
 
 
 @pytest.mark.slow

@@ -67,6 +67,7 @@ __all__ = [
     "set_launcher",
     "set_layer_sync",
     "set_num_threads_if_needed",
+    "saves_distributed_checkpoint",
     "start_method",
     "stop_epoch_after",
     "train_combined_loader",
@@ -114,6 +115,11 @@ def set_layer_sync(strategy: DDPStrategy, plugin: Any) -> None:
 def start_method(strategy: DDPStrategy) -> str:
     """``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``."""
     return str(getattr(strategy, "_start_method", "popen"))  # strategies without one start ranks as scripts
+
+
+def saves_distributed_checkpoint(strategy: Any) -> bool:
+    """Whether a ``ModelParallelStrategy`` writes sharded (DCP directory) checkpoints."""
+    return bool(getattr(strategy, "_save_distributed_checkpoint", False))
 
 
 def ddp_kwargs(strategy: DDPStrategy) -> dict[str, Any]:
@@ -513,7 +519,7 @@ def _model_parallel_fits() -> bool:
 
     return all(callable(getattr(ModelParallelStrategy, name, None))
                for name in ("_setup_distributed", "_get_process_group_backend", "_configure_launcher")) and \
-        "_timeout" in vars(ModelParallelStrategy())
+        {"_timeout", "_save_distributed_checkpoint"} <= set(vars(ModelParallelStrategy()))
 
 
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
@@ -536,8 +542,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "the Hydra-aware launcher",
                lambda: {"_start_method", "_launcher"} <= set(_ddp_vars())
                and callable(getattr(DDPStrategy, "_configure_launcher", None))),
-    TouchPoint("lightning.pytorch.strategies.ModelParallelStrategy._setup_distributed, _timeout and "
-               "_get_process_group_backend", "SyncModelParallelStrategy: the parts around the group's creation",
+    TouchPoint("lightning.pytorch.strategies.ModelParallelStrategy._setup_distributed, _timeout, "
+               "_save_distributed_checkpoint and _get_process_group_backend",
+               "SyncModelParallelStrategy: the parts around the group's creation; sharded checkpoints' per-rank files",
                _model_parallel_fits),
     TouchPoint("DDPStrategy.load_checkpoint and TorchCheckpointIO.load_checkpoint (weights_only=...)",
                "resume: weights_only passed only where Lightning takes it (2.6.0 on)",

@@ -21,10 +21,11 @@ part                     guarantee                                              
                          means (``exact_eval=``)
 ``SeedLineagePart``      one root seed from rank 0, derived per-rank/worker streams       seed.py
                          (``seed=``)
+``CheckpointStatePart``  per-rank RNG and loader state in ``checkpoint["lightning_sync"]``  checkpoint.py
+                         (sharded checkpoints: a file of each rank's own in the directory)
 ``ResumableDataPart``    mid-epoch resume at the exact batch (``resume=``)                data.py
 ``UnevenBatchPart``      uneven training data: a clear error, a common stop, or every     uneven.py
                          batch of every rank trained on (``uneven_batches=``)
-``CheckpointStatePart``  per-rank RNG and loader state in ``checkpoint["lightning_sync"]``  checkpoint.py
 ``RequeuePart``          SLURM requeue and SIGTERM met at a step boundary                 requeue.py
 ``TeardownPart``         clean end on every rank; the group kept or destroyed (last)      teardown.py
 =======================  ===============================================================  ==========
@@ -33,7 +34,8 @@ Hooks (``Part``; every one optional, called on every rank): ``before_setup_distr
 ``setup_distributed(strategy, fresh)``, ``setup(strategy, trainer)``, ``callbacks(strategy)``,
 ``process_dataloader(strategy, loader, trainer)``, ``step_context`` (around each training, validation
 and test step, and each backward), ``scale_loss``, ``run_stage_started``, ``on_train_start``,
-``on_save_checkpoint(strategy, checkpoint)``, ``on_load_checkpoint(strategy, checkpoint, fitting)``,
+``on_save_checkpoint(strategy, checkpoint, directory)``, ``after_save_checkpoint(strategy, directory)``,
+``on_load_checkpoint(strategy, checkpoint, fitting, directory)`` (``directory``: a sharded checkpoint's),
 ``configure_launcher``, ``on_exception``, ``before_teardown``, ``closing`` (the run's last collectives,
 group healthy), ``after_teardown`` (always).
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -52,11 +53,18 @@ class Part:
     def on_train_start(self, strategy: Any, trainer: Any) -> None:
         """The training loop starts (the fit loop has restored a checkpoint's progress)."""
 
-    def on_save_checkpoint(self, strategy: Any, checkpoint: dict[str, Any]) -> None:
-        """Every rank, before rank 0 writes ``checkpoint``: add what this part keeps in it."""
+    def on_save_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], directory: Path | None) -> None:
+        """Every rank, before rank 0 writes ``checkpoint``: add what this part keeps in it. ``directory``:
+        the checkpoint's directory when the strategy writes a sharded one (every rank writes its own
+        files there: see ``after_save_checkpoint``), else None (rank 0 writes one file)."""
 
-    def on_load_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], fitting: bool) -> None:
-        """Every rank, after ``checkpoint`` was read (``fitting``: by ``fit``, not validate/test/predict)."""
+    def after_save_checkpoint(self, strategy: Any, directory: Path | None) -> None:
+        """Every rank, once the strategy has written the checkpoint; a sharded one's ``directory`` exists."""
+
+    def on_load_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], fitting: bool,
+                           directory: Path | None) -> None:
+        """Every rank, after ``checkpoint`` was read (``fitting``: by ``fit``, not validate/test/predict;
+        ``directory``: the sharded checkpoint's directory, else None)."""
 
     def configure_launcher(self, strategy: Any) -> None:
         """Lightning has chosen the launcher (``strategy.launcher``); a part may wrap or replace it."""

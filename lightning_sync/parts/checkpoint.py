@@ -1,9 +1,21 @@
-"""``CheckpointStatePart``: every rank's RNG state and loader position in ``checkpoint["lightning_sync"]``."""
+"""``CheckpointStatePart``: every rank's RNG state and loader position in ``checkpoint["lightning_sync"]``.
+
+A one-file checkpoint (``ddp_sync``) holds every rank's state, gathered to rank 0 at each save. A
+sharded checkpoint (a directory every rank writes, as ``SyncModelParallelStrategy``'s DCP checkpoints)
+holds each rank's state in a file of that rank's own, ``<checkpoint>/lightning_sync/rank<r>-of-<w>.pt``,
+written by that rank: no gather, nothing on rank 0 that grows with the number of ranks.
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from lightning_sync.checkpoint_io import RANK_FILES, rank_file
+from lightning_sync.errors import ResumeError
 from lightning_sync.parts.base import Part
 from lightning_sync.parts.data import ResumableDataPart
 from lightning_sync.parts.seed import SeedLineagePart
@@ -12,23 +24,66 @@ from lightning_sync.seeding import CHECKPOINT_KEY
 
 __all__ = ["CheckpointStatePart"]
 
-
 class CheckpointStatePart(Part):
     """Owns the checkpoint's ``"lightning_sync"`` entry: the root seed, the world size, the global step,
-    and per rank its RNG state (``SeedLineagePart``) and loader position (``ResumableDataPart``),
-    gathered to rank 0 in one collective at every save; on load, hands them back to those parts."""
+    and per rank its RNG state (``SeedLineagePart``) and loader position (``ResumableDataPart``); on
+    load, hands them back to those parts. One file: gathered to rank 0 in one collective at every save.
+    A sharded checkpoint: each rank writes its own file into the checkpoint's directory."""
 
-    def on_save_checkpoint(self, strategy: Any, checkpoint: dict[str, Any]) -> None:
+    def __init__(self) -> None:
+        self._to_write: dict[str, Any] | None = None
+
+    def on_save_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], directory: Path | None) -> None:
+        self._to_write = None
         seed = strategy.part(SeedLineagePart)
         if seed is None or seed.lineage is None:
             return
         data = strategy.part(ResumableDataPart)
         payload = ResumeHooks.loader_payload(checkpoint) if data is not None else None
-        state = seed.lineage.checkpoint_state(payload, checkpoint.get("global_step"))
+        step = checkpoint.get("global_step")
+        if directory is not None:
+            checkpoint[CHECKPOINT_KEY] = {**seed.lineage.shared_state(step), "rank_files": RANK_FILES}
+            self._to_write = seed.lineage.rank_state(payload)
+            return
+        state = seed.lineage.checkpoint_state(payload, step)
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state
 
-    def on_load_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], fitting: bool) -> None:
+    def after_save_checkpoint(self, strategy: Any, directory: Path | None) -> None:
+        mine, self._to_write = self._to_write, None
+        if directory is None or mine is None:
+            return
+        target = rank_file(directory, strategy.global_rank, strategy.world_size)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        torch.save(mine, partial)
+        os.replace(partial, target)  # complete or absent, never half written
+
+    def on_load_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], fitting: bool,
+                           directory: Path | None) -> None:
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if isinstance(state, dict) and state.get("rank_files") and state.get("world_size") == strategy.world_size:
+            self._read_own(state, directory, strategy.global_rank, strategy.world_size)
         seed = strategy.part(SeedLineagePart)
         if seed is not None:
-            seed.pending_state = checkpoint.get(CHECKPOINT_KEY)
+            seed.pending_state = state
+
+    @staticmethod
+    def _read_own(state: dict[str, Any], directory: Path | None, rank: int, world_size: int) -> None:
+        """Put this rank's file into the entry's per-rank lists (the other ranks' slots stay None)."""
+        path = rank_file(directory, rank, world_size) if directory is not None else None
+        if path is None or not path.is_file():
+            raise ResumeError(
+                f"resume: the checkpoint keeps each rank's RNG state and loader position in a file of its own, and "
+                f"rank {rank}'s is missing ({path or 'the checkpoint is not a directory'}): the save was cut short, "
+                "or the directory was copied in part. Resume from a complete checkpoint (every "
+                f"{RANK_FILES}/rank<r>-of-{world_size}.pt present), or from this one with another world size (the "
+                "rest of the epoch is dealt out again, without the per-rank states).")
+        own = torch.load(path, map_location="cpu", weights_only=True)
+        rng_states: list[Any] = [None] * world_size
+        rng_states[rank] = own["rng_state"]
+        state["rng_states"] = rng_states
+        if own.get("loader_states") is not None:
+            loader_states: list[Any] = [None] * world_size
+            loader_states[rank] = own["loader_states"]
+            state["loader_states"] = loader_states

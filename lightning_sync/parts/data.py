@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from lightning_sync._compat import lightning_api as _compat
 from lightning_sync.parts.base import Part
 from lightning_sync.resume import ResumeHooks, make_resumable
 
@@ -26,7 +28,8 @@ class ResumableDataPart(Part):
             self.hooks.check_training_loader(dataloader)
         return dataloader
 
-    def on_load_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], fitting: bool) -> None:
+    def on_load_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], fitting: bool,
+                           directory: Path | None) -> None:
         self.hooks.on_load(checkpoint, strategy.world_size, strategy.global_rank, fitting)  # each rank's loader
 
     def on_train_start(self, strategy: Any, trainer: Any) -> None:
@@ -38,4 +41,10 @@ class ResumableDataPart(Part):
         if self.resume_arg is not None:
             from lightning_sync.resume import auto_resume_directories, install_auto_resume
 
+            if strategy.launcher is None:
+                # ModelParallelStrategy builds no launcher where the processes exist already (torchrun, a
+                # rank it started): Lightning then calls fit directly. A script launcher, as DDPStrategy
+                # always builds, just calls the function there, and gives auto-resume its step.
+                _compat.set_launcher(strategy, _compat.SubprocessScriptLauncher(
+                    strategy.cluster_environment, strategy.num_processes, strategy.num_nodes))
             install_auto_resume(strategy.launcher, auto_resume_directories(self.resume_arg))

@@ -39,9 +39,10 @@ def default_parts(*, owner: str, seed: int | None = None, guard: bool | Collecti
         parts.append(GuardPart(chosen))
     if exact_eval:
         parts.append(ExactEvalPart())
-    # UnevenBatchPart after ResumableDataPart: it wraps the training loader that part made resumable
-    parts += [SeedLineagePart(seed), ResumableDataPart(resume), UnevenBatchPart(uneven_batches),
-              CheckpointStatePart(), RequeuePart(), TeardownPart()]
+    # CheckpointStatePart before ResumableDataPart: on load it puts each rank's saved state where that part
+    # reads it; UnevenBatchPart after ResumableDataPart: it wraps the training loader that part made resumable
+    parts += [SeedLineagePart(seed), CheckpointStatePart(), ResumableDataPart(resume), UnevenBatchPart(uneven_batches),
+              RequeuePart(), TeardownPart()]
     return parts
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import contextlib
@@ -227,9 +228,12 @@ class SyncStrategyMixin:
             p.on_train_start(self, trainer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None) -> None:
+        directory = self.sharded_checkpoint_directory(filepath, saving=True)
         for p in self._parts:  # called on every rank by trainer.save_checkpoint
-            p.on_save_checkpoint(self, checkpoint)
+            p.on_save_checkpoint(self, checkpoint, directory)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+        for p in self._parts:
+            p.after_save_checkpoint(self, directory)
 
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning passes weights_only from 2.6.0 on; older ones have no such parameter.
@@ -237,9 +241,15 @@ class SyncStrategyMixin:
             checkpoint_path, **_compat.load_checkpoint_kwargs(weights_only))
         trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
         fitting = trainer is not None and trainer.state.fn == "fit"
+        directory = self.sharded_checkpoint_directory(checkpoint_path, saving=False)
         for p in self._parts:
-            p.on_load_checkpoint(self, checkpoint, fitting)
+            p.on_load_checkpoint(self, checkpoint, fitting, directory)
         return checkpoint
+
+    def sharded_checkpoint_directory(self, path: PathLike, saving: bool) -> Path | None:
+        """The directory a sharded checkpoint at ``path`` is (to be) written to by every rank, or None when
+        the strategy writes (reads) one file. The same on every rank (a collective when saving)."""
+        return None
 
     def _configure_launcher(self) -> None:  # compat: Lightning's launcher hook (_compat.TOUCH_POINTS)
         super()._configure_launcher()  # type: ignore[misc]

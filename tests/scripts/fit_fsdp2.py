@@ -9,7 +9,8 @@ and a torchmetrics MeanSquaredError). ``full`` / ``stop`` / ``resume``: 3 epochs
 4, 7 steps a rank), uninterrupted; stopped after step 10 with a sharded checkpoint every 5 steps;
 resumed from that checkpoint (OUT/stop/last.ckpt). Every step records its batch's indices and the
 augmentation drawn in ``__getitem__``. ``guard``: rank 0 alone calls ``dist.all_reduce`` at step 2.
-``callbacks``: fit with ``ValidationGather`` (1001 validation samples) and ``ParameterConsistencyCheck``,
+``autostop`` / ``autoresume``: as ``stop`` / ``resume`` with ``resume="auto"`` (checkpoints in
+OUT/autockpt; the resumed run gets no ``ckpt_path``). ``callbacks``: fit with ``ValidationGather`` (1001 validation samples) and ``ParameterConsistencyCheck``,
 then ``trainer.predict`` with a ``PredictionWriter`` (OUT/callbacks/preds.parquet). ``drift``: as
 ``callbacks``, with a buffer that rank 0 alone updates.
 """
@@ -113,7 +114,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--strategy", default="model_parallel_sync")
-    p.add_argument("--phase", required=True, choices=["eval", "full", "stop", "resume", "guard", "callbacks", "drift"])
+    p.add_argument("--phase", required=True, choices=["eval", "full", "stop", "resume", "guard", "callbacks", "drift", "autostop", "autoresume"])
     p.add_argument("--accelerator", default="cpu", help="gpu: the tests' gpu tier (one process per GPU)")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05, help="SGD's (one rank's batches alone need a smaller one)")
@@ -125,21 +126,25 @@ def main() -> None:
     kwargs: dict[str, Any] = {"data_parallel_size": args.devices, "tensor_parallel_size": 1}
     if sync:
         kwargs.update(seed=1234, guard_timeout=10)
-    if args.phase == "resume" and sync:
+    if args.phase in ("resume", "autoresume") and sync:
         kwargs.pop("seed")  # the checkpoint's root seed is adopted
+    if args.phase.startswith("auto") and sync:
+        kwargs["resume"] = "auto"
     strategy = (ls.SyncModelParallelStrategy(**kwargs) if sync
                 else L.pytorch.strategies.ModelParallelStrategy(**kwargs))
     callbacks: list[L.Callback] = []
     max_steps, ckpt = -1, None
-    if args.phase == "stop":
+    if args.phase in ("stop", "autostop"):
         max_steps = 10
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_train_steps=5, save_top_k=-1,
+    if args.phase in ("stop", "autostop", "autoresume"):
+        where = args.out / "autockpt" if args.phase.startswith("auto") else out
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=where, every_n_train_steps=5, save_top_k=-1,
                                                              save_last=True))
     if args.phase == "resume":
         ckpt = str(args.out / "stop" / "last.ckpt")
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_epochs=3,
                         max_steps=max_steps,
-                        logger=False, enable_checkpointing=args.phase == "stop", callbacks=callbacks,
+                        logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
                         num_sanity_val_steps=0, limit_val_batches=None if args.phase == "eval" else 0,
                         default_root_dir=out)
     model = Model(bad_step=2 if args.phase == "guard" else -1, lr=args.lr, drift=args.phase == "drift")

@@ -22,6 +22,8 @@ import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_sync.ranks import announced_global_rank
+
 __all__ = ["CheckConfig", "ConfigError", "check_config", "global_rank", "run_stamp"]
 
 _STARTED = time.localtime()  # one stamp per process: rank > 0 never needs it (it is handed the run dir)
@@ -33,10 +35,7 @@ class ConfigError(ValueError):
 
 def global_rank() -> int:
     """This process's global rank as the launchers announce it (0 in a process nobody launched)."""
-    for key in ("LSYNC_GLOBAL_RANK", "RANK", "SLURM_PROCID", "LOCAL_RANK"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
+    return announced_global_rank()
 
 
 def run_stamp() -> str:

@@ -6,7 +6,7 @@ from typing import Any
 
 import lightning as L
 
-from lightning_sync.resume import EpochLengthSync
+from lightning_sync.resume.checkpoint import EpochLengthSync
 
 
 class ResumeEpochLength(L.Callback):

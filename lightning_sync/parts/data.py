@@ -7,7 +7,8 @@ from typing import Any
 
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync.parts.base import Part
-from lightning_sync.resume import ResumeHooks, make_resumable
+from lightning_sync.resume.checkpoint import ResumeHooks
+from lightning_sync.resume.loader import make_resumable
 
 __all__ = ["ResumableDataPart"]
 
@@ -39,7 +40,7 @@ class ResumableDataPart(Part):
 
     def configure_launcher(self, strategy: Any) -> None:
         if self.resume_arg is not None:
-            from lightning_sync.resume import auto_resume_directories, install_auto_resume
+            from lightning_sync.resume.auto import auto_resume_directories, install_auto_resume
 
             if strategy.launcher is None:
                 # ModelParallelStrategy builds no launcher where the processes exist already (torchrun, a

@@ -22,7 +22,7 @@ from lightning_sync.parts.evaluation import ALL_GATHER_FIX, ExactEvalPart
 from lightning_sync.parts.guard import GuardPart
 from lightning_sync.parts.seed import SeedLineagePart
 from lightning_sync.parts.uneven import UnevenBatchPart
-from lightning_sync.resume import init_process_group_after_restart
+from lightning_sync.resume.restart import init_process_group_after_restart
 from lightning_sync.sampling import is_integer_mean
 from lightning_sync.seeding import SeedLineage
 from lightning_sync.strategy_callbacks import install_first
@@ -248,7 +248,7 @@ class SyncStrategyMixin:
 
     def sharded_checkpoint_directory(self, path: PathLike, saving: bool) -> Path | None:
         """The directory a sharded checkpoint at ``path`` is (to be) written to by every rank, or None when
-        the strategy writes (reads) one file. The same on every rank (a collective when saving)."""
+        the strategy writes (reads) one file. No collective: each rank's own ``path``."""
         return None
 
     def _configure_launcher(self) -> None:  # compat: Lightning's launcher hook (_compat.TOUCH_POINTS)

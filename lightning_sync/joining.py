@@ -100,16 +100,14 @@ class AgreeingLoader:
     ``sampler``, ``dataset``, ``state_dict`` ...). Build it with :func:`wrap_training_loader`.
     """
 
-    _own = frozenset({"loader", "mode", "_agree", "_rank", "_world_n", "_batch_size", "shares", "_stand_in",
+    _own = frozenset({"loader", "mode", "_agree", "_rank", "_batch_size", "shares", "_stand_in",
                       "_length", "_warned", "_live", "_resumed"})
 
-    def __init__(self, loader: Any, mode: str, agree: Agree, rank: int, world: int,
-                 batch_size: Callable[[Any], int]) -> None:
+    def __init__(self, loader: Any, mode: str, agree: Agree, rank: int, batch_size: Callable[[Any], int]) -> None:
         object.__setattr__(self, "loader", loader)
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "_agree", agree)
         object.__setattr__(self, "_rank", rank)
-        object.__setattr__(self, "_world_n", world)
         object.__setattr__(self, "_batch_size", batch_size)
         #: The agreed share of each fetched batch, in fetch order; the part takes one per training step
         #: (None: an even step). Lightning fetches one batch ahead of the step on unsized loaders.
@@ -177,10 +175,10 @@ class AgreeingLoader:
 
     def _known_even(self) -> bool:
         """One exchange at the epoch's start: every rank has the same length and a DistributedSampler
-        (equal batches at every step), so no per-batch exchange is needed. Refreshes ``len``."""
-        length = _sized_len(self.loader)
-        distributed = _distributed_sampler(self.loader)
-        rows = self._agree([int(length is not None), -1 if length is None else length, int(distributed), 0])
+        (equal batches at every step), so no per-batch exchange is needed. Refreshes ``len``. (Also at the
+        first epoch, though the wrap exchanged lengths: a loader's length may change in between, on one
+        rank, and a decision made on stale rows would pass an uneven epoch through unchecked.)"""
+        rows = _length_rows(self.loader, self._agree)
         if all(r[0] for r in rows):
             self._length = max(r[1] for r in rows)
         return all(r[0] and r[2] for r in rows) and len({r[1] for r in rows}) == 1
@@ -196,8 +194,7 @@ class SizedAgreeingLoader(AgreeingLoader):
         return int(self._length)
 
 
-def wrap_training_loader(loader: Any, mode: str, agree: Agree, rank: int, world: int,
-                         batch_size: Callable[[Any], int]) -> Any:
+def wrap_training_loader(loader: Any, mode: str, agree: Agree, rank: int, batch_size: Callable[[Any], int]) -> Any:
     """``loader`` wrapped in an :class:`AgreeingLoader`, or unchanged where the epoch-start batch count
     check covers it. Every rank calls this together (one exchange: every rank's length, if any).
 
@@ -210,28 +207,30 @@ def wrap_training_loader(loader: Any, mode: str, agree: Agree, rank: int, world:
         agree: the exchange: this rank's record in, every rank's record out (rank order).
         batch_size: a batch's sample count (for the step's loss scale).
     """
-    length = _sized_len(loader)
-    rows = agree([int(length is not None), -1 if length is None else length, 0, 0])
+    rows = _length_rows(loader, agree)
     sized = all(r[0] for r in rows)
     if mode != "join" and sized:
         return loader
     if sized:
-        wrapped: AgreeingLoader = SizedAgreeingLoader(loader, mode, agree, rank, world, batch_size)
+        wrapped: AgreeingLoader = SizedAgreeingLoader(loader, mode, agree, rank, batch_size)
         wrapped._length = max(r[1] for r in rows)
         return wrapped
-    return AgreeingLoader(loader, mode, agree, rank, world, batch_size)
+    return AgreeingLoader(loader, mode, agree, rank, batch_size)
 
 
-def wrap_evaluation_loader(loader: Any, agree: Agree, rank: int, world: int,
-                           batch_size: Callable[[Any], int]) -> Any:
+def wrap_evaluation_loader(loader: Any, agree: Agree, rank: int, batch_size: Callable[[Any], int]) -> Any:
     """An evaluation ``loader`` under ``"join"``: wrapped where some rank's loader has no length (a stream, whose
     ranks may run out apart), so per-step collectives in the evaluation step are joined; unchanged otherwise
     (exact evaluation cuts map-style loaders into equal steps where it can). Every rank calls this together."""
-    length = _sized_len(loader)
-    rows = agree([int(length is not None), -1 if length is None else length, 0, 0])
-    if all(r[0] for r in rows):
+    if all(r[0] for r in _length_rows(loader, agree)):
         return loader
-    return AgreeingLoader(loader, "join", agree, rank, world, batch_size)
+    return AgreeingLoader(loader, "join", agree, rank, batch_size)
+
+
+def _length_rows(loader: Any, agree: Agree) -> list[list[int]]:
+    """Every rank's ``[has a length, the length or -1, has a DistributedSampler, 0]`` (one exchange)."""
+    length = _sized_len(loader)
+    return agree([int(length is not None), -1 if length is None else length, int(_distributed_sampler(loader)), 0])
 
 
 class _Even:

@@ -60,7 +60,7 @@ def _walk(rank: int, world: int, mode: str, lengths: list[int], sampler: bool) -
         loader: Any = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, world, rank, shuffle=False))
     else:
         loader = DataLoader([rank * 100 + i for i in range(lengths[rank])], batch_size=4)
-    wrapped = wrap_training_loader(loader, mode, _agree, rank, world, len)
+    wrapped = wrap_training_loader(loader, mode, _agree, rank, len)
     out: dict[str, Any] = {"wrapped": isinstance(wrapped, AgreeingLoader), "len": len(wrapped)}
     before = _agree.calls  # type: ignore[attr-defined]
     try:
@@ -96,7 +96,7 @@ def _walk_stream(rank: int, world: int, mode: str) -> dict[str, Any]:
         def __iter__(self) -> Any:
             return iter(range(rank * 100, rank * 100 + (10 if rank == 0 else 5)))
 
-    wrapped = wrap_training_loader(DataLoader(Stream(), batch_size=4), mode, _agree, rank, world, len)
+    wrapped = wrap_training_loader(DataLoader(Stream(), batch_size=4), mode, _agree, rank, len)
     try:
         return {"batches": [b.tolist() for b in wrapped]}
     except Exception as err:  # noqa: BLE001

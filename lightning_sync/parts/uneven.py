@@ -75,14 +75,13 @@ class UnevenBatchPart(Part):
         agree = (lambda record: self._agree(strategy, record))  # noqa: E731
         if trainer.training:
             wrapped = wrap_training_loader(dataloader, self.uneven_batches, agree, strategy.global_rank,
-                                           strategy.world_size, _compat.batch_size_of)
+                                           _compat.batch_size_of)
             self.loader = wrapped if isinstance(wrapped, AgreeingLoader) else None
             return wrapped
         if self.uneven_batches == "join" and (trainer.sanity_checking or trainer.validating or trainer.testing):
             # Evaluation streams that differ in length: per-step sync_dist is joined the same way (map-style
             # loaders are cut into equal steps by exact evaluation where that is possible).
-            return wrap_evaluation_loader(dataloader, agree, strategy.global_rank, strategy.world_size,
-                                          _compat.batch_size_of)
+            return wrap_evaluation_loader(dataloader, agree, strategy.global_rank, _compat.batch_size_of)
         return dataloader
 
     def step_context(self, strategy: Any) -> Any:

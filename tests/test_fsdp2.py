@@ -127,6 +127,16 @@ def test_a_collective_on_one_rank_only_names_both_ranks_instead_of_crashing() ->
             assert text.startswith("CollectiveMismatchError: rank(s) 1 did not reach guarded collective")
             assert "rank 0 at fit_fsdp2.py:" in text and "training_step: all_reduce float32[1] op=sum" in text
         assert "Received data size doesn't match" not in proc.stderr  # gloo never saw the stray all_reduce
+    # a metric synced on rank 0 only (Lightning's reduce, whose barrier is skipped once the call is confirmed)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = _run(Path(tmp), "model_parallel_sync", "guardlog", timeout=120)
+        assert proc.returncode != 0
+        rank0 = json.loads((Path(tmp) / "guardlog" / "rank0.json").read_text())["error"]
+        assert rank0.startswith("CollectiveMismatchError: rank(s) 1 did not reach guarded collective")
+        assert "rank 0 at fit_fsdp2.py:" in rank0 and "(metric 'rank0_only'): strategy.reduce float32[] op=mean" in rank0
+        # rank 1 raises it too (Lightning's process observer may end it before it writes its report)
+        assert "[rank1]: lightning_sync.errors.CollectiveMismatchError: rank(s) 1 did not reach" in proc.stderr
+        assert "Received data size doesn't match" not in proc.stderr
     # Lightning's ModelParallelStrategy: gloo pairs rank 0's all_reduce with FSDP2's all-gather on rank 1
     # and aborts a process, or the run hangs until this test's limit
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,6 +29,25 @@ from lightning_sync.strategy_callbacks import install_first
 
 __all__ = ["SyncStrategyMixin"]
 
+
+def _all_reduce(tensor: Tensor, group: Any, reduce_op: Any) -> Tensor:
+    """Lightning's ``sync_dist`` reduction in place, without its barrier ("mean" is a sum divided by the
+    world size on gloo, which has no AVG; integer tensors keep their dtype, as Lightning's do)."""
+    group = dist.group.WORLD if group is None else group
+    mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+    if mean and dist.get_backend(group) == "gloo":
+        op = dist.ReduceOp.SUM
+    elif isinstance(reduce_op, str):
+        op = getattr(dist.ReduceOp, "AVG" if mean else reduce_op.upper())
+        mean = False
+    else:
+        op, mean = reduce_op, False
+    dist.all_reduce(tensor, op=op, group=group)
+    if not mean:
+        return tensor
+    world = dist.get_world_size(group)
+    return tensor.copy_(tensor / world) if not torch.is_floating_point(tensor) else tensor.div_(world)
+
 _P = TypeVar("_P", bound=Part)
 
 
@@ -150,6 +169,11 @@ class SyncStrategyMixin:
         op = reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1].lower()
         match = f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(map(str, tensor.shape))}] op={op}"
         with guard.guarded("strategy.reduce", match, group):
+            if guard.guard.confirm_first and dist.is_initialized() and dist.get_world_size(group) > 1:
+                # Every rank's token of this call was compared before its data moves (confirm_first):
+                # Lightning's barrier before the all_reduce, which pairs a rank-0-only self.log harmlessly
+                # elsewhere, would be one more round trip a step that checks nothing more.
+                return _all_reduce(tensor, group, reduce_op)
             return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
 
     def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:

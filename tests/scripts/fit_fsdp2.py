@@ -8,7 +8,8 @@ python tests/scripts/fit_fsdp2.py --out DIR --strategy model_parallel|model_para
 and a torchmetrics MeanSquaredError). ``full`` / ``stop`` / ``resume``: 3 epochs of 50 samples (batch
 4, 7 steps a rank), uninterrupted; stopped after step 10 with a sharded checkpoint every 5 steps;
 resumed from that checkpoint (OUT/stop/last.ckpt). Every step records its batch's indices and the
-augmentation drawn in ``__getitem__``. ``guard``: rank 0 alone calls ``dist.all_reduce`` at step 2.
+augmentation drawn in ``__getitem__``. ``guard``: rank 0 alone calls ``dist.all_reduce`` at step 2;
+``guardlog``: rank 0 alone logs a metric with ``sync_dist=True`` there.
 ``autostop`` / ``autoresume``: as ``stop`` / ``resume`` with ``resume="auto"`` (checkpoints in
 OUT/autockpt; the resumed run gets no ``ckpt_path``). ``callbacks``: fit with ``ValidationGather`` (1001 validation samples) and ``ParameterConsistencyCheck``,
 then ``trainer.predict`` with a ``PredictionWriter`` (OUT/callbacks/preds.parquet). ``drift``: as
@@ -56,8 +57,9 @@ def build() -> nn.Sequential:
 
 
 class Model(L.LightningModule):
-    def __init__(self, bad_step: int = -1, lr: float = 0.05, drift: bool = False) -> None:
+    def __init__(self, bad_step: int = -1, lr: float = 0.05, drift: bool = False, bad_log: bool = False) -> None:
         super().__init__()
+        self.bad_log = bad_log
         self.drift = drift
         self.register_buffer("seen", torch.zeros(1))
         self.lr = lr
@@ -76,7 +78,10 @@ class Model(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.global_step == self.bad_step and self.global_rank == 0:
-            dist.all_reduce(torch.ones(1))  # the classic mistake: a collective on one rank only
+            if self.bad_log:  # a metric synced on rank 0 only
+                self.log("rank0_only", torch.ones(()), sync_dist=True)
+            else:
+                dist.all_reduce(torch.ones(1))  # the classic mistake: a collective on one rank only
         idx, x, aug, y = batch
         if not self.drift or self.global_rank == 0:
             self.seen += len(idx)  # a buffer every rank updates alike (drift: rank 0 alone)
@@ -114,7 +119,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--strategy", default="model_parallel_sync")
-    p.add_argument("--phase", required=True, choices=["eval", "full", "stop", "resume", "guard", "callbacks", "drift", "autostop", "autoresume"])
+    p.add_argument("--phase", required=True, choices=["eval", "full", "stop", "resume", "guard", "callbacks", "drift", "autostop", "autoresume", "guardlog"])
     p.add_argument("--accelerator", default="cpu", help="gpu: the tests' gpu tier (one process per GPU)")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05, help="SGD's (one rank's batches alone need a smaller one)")
@@ -147,7 +152,8 @@ def main() -> None:
                         logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
                         num_sanity_val_steps=0, limit_val_batches=None if args.phase == "eval" else 0,
                         default_root_dir=out)
-    model = Model(bad_step=2 if args.phase == "guard" else -1, lr=args.lr, drift=args.phase == "drift")
+    model = Model(bad_step=2 if args.phase.startswith("guard") else -1, lr=args.lr, drift=args.phase == "drift",
+                  bad_log=args.phase == "guardlog")
     if args.phase in ("callbacks", "drift"):
         callbacks_phase(args, out, model, kwargs, sync)
         return
@@ -156,7 +162,7 @@ def main() -> None:
         report(out, trainer, model)
         return
     loader = DataLoader(Points(50, augment=True), batch_size=4, shuffle=True)
-    if args.phase == "guard":
+    if args.phase.startswith("guard"):
         try:
             trainer.fit(model, loader)
         except Exception as err:  # noqa: BLE001 - every rank records what it raised

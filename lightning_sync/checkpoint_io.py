@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -41,7 +42,8 @@ from lightning_sync._compat.lightning_api import PathLike, checkpoint_io_load_kw
 from lightning_sync.errors import LightningSyncError
 
 __all__ = ["RANK_FILES", "AtomicCheckpointIO", "CorruptCheckpointError", "atomic_save", "checkpoint_problem",
-           "is_complete_checkpoint", "rank_file", "rank_files_problem", "sharded_checkpoint_problem"]
+           "expect_rank_files", "invalidate_sharded_checkpoint", "is_complete_checkpoint", "rank_file", "rank_files_problem",
+           "sharded_checkpoint_problem"]
 
 _TMP_SUFFIX = ".lsync-tmp"
 
@@ -161,21 +163,57 @@ def rank_file(directory: PathLike, rank: int, world_size: int) -> Path:
     return Path(directory) / RANK_FILES / f"rank{rank}-of-{world_size}.pt"
 
 
-def rank_files_problem(directory: PathLike, world_size: int) -> str | None:
-    """Why the per-rank files of a sharded checkpoint written by ``world_size`` ranks are incomplete, or None."""
-    missing = [r for r in range(world_size) if not rank_file(directory, r, world_size).is_file()]
-    if not missing:
-        return None
-    shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-    return f"the per-rank state of rank(s) {shown} is missing from {Path(directory) / RANK_FILES}"
+_RANK_FILE = re.compile(r"rank(\d+)-of-(\d+)\.pt")
+_EXPECTED = re.compile(r"expect-(\d+)-ranks")
+
+
+def expect_rank_files(directory: Path, world_size: int) -> None:
+    """Mark ``directory`` as completed by ``world_size`` rank files (rank 0, before the save's collectives)."""
+    folder = directory / RANK_FILES
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"expect-{world_size}-ranks").touch()
+
+
+def rank_files_problem(directory: PathLike) -> str | None:
+    """Why the per-rank state files a sharded checkpoint expects are incomplete, or None (none expected:
+    a checkpoint of Lightning's own strategy, or one that gathered every rank's state into ``meta.pt``)."""
+    folder = Path(directory) / RANK_FILES
+    names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    for name in names:
+        expected = _EXPECTED.fullmatch(name)
+        if expected is None:
+            continue
+        size = int(expected[1])
+        missing = [r for r in range(size) if f"rank{r}-of-{size}.pt" not in names]
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+            return f"the per-rank state of rank(s) {shown} is missing from {folder}"
+    return None
+
+
+def invalidate_sharded_checkpoint(directory: Path) -> None:
+    """Before a sharded checkpoint is written over ``directory`` (rank 0, before the save's first collective):
+    remove what marks it complete (Lightning's ``meta.pt``, DCP's ``.metadata``) and lightning_sync's rank
+    files and marker, so that a save cut short never looks complete. Only a sharded checkpoint is touched."""
+    if not directory.is_dir() or not ((directory / SHARDED_META).exists() or (directory / DCP_METADATA).exists()):
+        return
+    for name in (SHARDED_META, DCP_METADATA):
+        (directory / name).unlink(missing_ok=True)
+    folder = directory / RANK_FILES
+    for path in folder.iterdir() if folder.is_dir() else ():
+        if _RANK_FILE.fullmatch(path.name) or _EXPECTED.fullmatch(path.name):
+            path.unlink(missing_ok=True)
 
 
 def sharded_checkpoint_problem(directory: PathLike) -> str | None:
     """Why ``directory`` is not a complete sharded checkpoint (Lightning's ``ModelParallelStrategy``: DCP
     shards, DCP's ``.metadata``, Lightning's ``meta.pt``, lightning_sync's per-rank files), or None.
 
-    ``SyncModelParallelStrategy`` removes ``meta.pt`` before it overwrites a checkpoint directory and
-    Lightning writes it after every rank's shards, so its presence marks a finished save.
+    ``SyncModelParallelStrategy`` clears a directory's completion marks before it writes over it, rank
+    0 then notes how many rank files will complete it, Lightning writes ``meta.pt`` after every rank's
+    shards and each rank its state file after that: complete means ``.metadata``, a whole ``meta.pt``
+    and every expected rank file. Nothing is unpickled (hyperparameters in ``meta.pt`` may need
+    ``weights_only=False``).
     """
     root = Path(directory)
     for name in (DCP_METADATA, SHARDED_META):
@@ -184,16 +222,7 @@ def sharded_checkpoint_problem(directory: PathLike) -> str | None:
     problem = checkpoint_problem(root / SHARDED_META)
     if problem is not None:
         return f"its {SHARDED_META}: {problem}"
-    try:
-        meta = torch.load(root / SHARDED_META, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any failure to read it makes the checkpoint unusable
-        return f"its {SHARDED_META} does not load ({type(err).__name__}: {err})"
-    from lightning_sync.seeding import CHECKPOINT_KEY  # not at import: this module needs only torch and Lightning
-
-    entry = meta.get(CHECKPOINT_KEY) if isinstance(meta, dict) else None
-    if isinstance(entry, dict) and entry.get("rank_files"):
-        return rank_files_problem(root, int(entry["world_size"]))
-    return None
+    return rank_files_problem(root)
 
 
 def checkpoint_problem(path: PathLike, verify_data: bool = False) -> str | None:

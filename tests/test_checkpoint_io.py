@@ -172,31 +172,50 @@ def test_umask_is_read_without_changing_it(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_sharded_checkpoint_is_complete_only_with_meta_and_every_rank_file(tmp_path: Path) -> None:
-    from lightning_sync.checkpoint_io import rank_file
+    from argparse import Namespace
+
+    from lightning_sync.checkpoint_io import expect_rank_files, invalidate_sharded_checkpoint, rank_file
     from lightning_sync.resume import find_resume_checkpoint
 
     old = tmp_path / "epoch=0-step=5.ckpt"
     new = tmp_path / "epoch=0-step=10.ckpt"
+    torn = tmp_path / "epoch=0-step=15.ckpt"  # killed while DCP wrote its shards: no .metadata, no meta.pt
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"shard")
     for i, directory in enumerate((old, new)):
         directory.mkdir()
+        expect_rank_files(directory, 3)
         (directory / "__0_0.distcp").write_bytes(b"shard")
         (directory / ".metadata").write_bytes(b"dcp")
         assert checkpoint_problem(directory) == ("it is a directory without meta.pt (not a sharded checkpoint, or "
                                                  "its save was cut short)")
-        torch.save({"lightning_sync": {"root_seed": 1, "world_size": 3, "rank_files": "lightning_sync"}},
+        # hyperparameters that weights_only=True refuses: the check never unpickles meta.pt
+        torch.save({"hyper_parameters": Namespace(lr=0.1), "lightning_sync": {"rank_files": "lightning_sync"}},
                    directory / "meta.pt")
-        if i == 0:
-            for r in range(3):
-                rank_file(directory, r, 3).parent.mkdir(exist_ok=True)
-                torch.save({"rng_state": None}, rank_file(directory, r, 3))
-    rank_file(new, 1, 3).parent.mkdir()
-    torch.save({"rng_state": None}, rank_file(new, 1, 3))
+        for r in range(3) if i == 0 else (1,):
+            torch.save({"rng_state": None}, rank_file(directory, r, 3))
     assert checkpoint_problem(old) is None
     assert checkpoint_problem(new) == f"the per-rank state of rank(s) 0, 2 is missing from {new / 'lightning_sync'}"
-    assert find_resume_checkpoint([tmp_path]) == old  # the newer one is incomplete
+    assert find_resume_checkpoint([tmp_path]) == old  # the newer ones are incomplete
     for r in (0, 2):
         torch.save({"rng_state": None}, rank_file(new, r, 3))
     assert find_resume_checkpoint([tmp_path]) == new
     (new / "meta.pt").write_bytes((new / "meta.pt").read_bytes()[:40])  # cut short
     assert "its meta.pt: " in (checkpoint_problem(new) or "")
     assert find_resume_checkpoint([tmp_path]) == old
+    # about to be written over: incomplete at once, the rank files gone, other folders untouched
+    (old / "lightning_sync" / "notes.txt").write_text("mine")
+    invalidate_sharded_checkpoint(old)
+    assert not (old / "meta.pt").exists() and not (old / ".metadata").exists()
+    assert sorted(p.name for p in (old / "lightning_sync").iterdir()) == ["notes.txt"]
+    plain = tmp_path / "plain"  # not a checkpoint: never touched
+    (plain / "lightning_sync").mkdir(parents=True)
+    (plain / "lightning_sync" / "rank0-of-1.pt").write_bytes(b"x")
+    invalidate_sharded_checkpoint(plain)
+    assert (plain / "lightning_sync" / "rank0-of-1.pt").exists()
+    # Lightning's own ModelParallelStrategy (no rank files expected): complete with .metadata and meta.pt
+    theirs = tmp_path / "theirs.ckpt"
+    theirs.mkdir()
+    (theirs / ".metadata").write_bytes(b"dcp")
+    torch.save({"epoch": 0}, theirs / "meta.pt")
+    assert checkpoint_problem(theirs) is None

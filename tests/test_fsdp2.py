@@ -83,7 +83,8 @@ def test_evaluation_and_mid_epoch_resume(strategy: str, tmp_path: Path) -> None:
     if not sync:
         return
     # each rank's RNG state and loader position: a file written by that rank, nothing gathered into meta.pt
-    assert sorted(p.name for p in (last / "lightning_sync").iterdir()) == ["rank0-of-2.pt", "rank1-of-2.pt"]
+    assert sorted(p.name for p in (last / "lightning_sync").iterdir()) == ["expect-2-ranks", "rank0-of-2.pt",
+                                                                            "rank1-of-2.pt"]
     entry = torch.load(last / "meta.pt", weights_only=True)["lightning_sync"]
     assert entry["rank_files"] and "rng_states" not in entry and "loader_states" not in entry
     # resume="auto" finds the newest complete sharded checkpoint by itself, skipping a newer one cut short

@@ -119,6 +119,28 @@ def _ignored_buffer_drifts(rank: int, world: int) -> None:
     check_replicas(model, where="after step 1")
 
 
+def _sharded_replicas(rank: int, world: int, perturb: bool) -> dict:
+    # a 2 x 2 mesh, replicated over dim 0 and sharded over dim 1 (HSDP's layout): ranks 0 and 2 hold shard
+    # 0, ranks 1 and 3 shard 1
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_sync.callbacks.consistency import check_replicas
+    from lightning_sync.guard.checksums import replica_group_key
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Replicate(), Shard(0)]))
+    module.register_buffer("b", torch.ones(2))
+    key = replica_group_key(module.w)
+    check_replicas(module, where="at start")
+    if perturb and rank == 3:
+        with torch.no_grad():
+            module.w.to_local().add_(1.0)  # rank 3's copy of shard 1 drifts from rank 1's
+    check_replicas(module, where="after step 1")
+    return {"key": key}
+
+
 # ---------------------------------------------------------------------------------------- unit tests
 
 
@@ -173,6 +195,15 @@ def test_all_reduce_of_ddp_managed_tensor_is_rejected(what: str) -> None:
     for text in _errors(run_ranks(_allreduce_ddp_grad, 2, args=(what,), timeout=60, expect_failure=True)):
         assert "LightningSyncError" in text and "'weight'" in text and "DistributedDataParallel" in text
         assert ("2 x the average gradient" if what == "grad" else "multiplies them by the world size (2)") in text
+
+
+def test_sharded_tensors_are_compared_among_the_ranks_holding_the_same_shard() -> None:
+    keys = [r["key"] for r in run_ranks(_sharded_replicas, 4, args=(False,), timeout=90)]
+    assert keys == ["shard (0,) of mesh dims (1,)", "shard (1,) of mesh dims (1,)"] * 2
+    outcomes = run_ranks(_sharded_replicas, 4, args=(True,), timeout=90, expect_failure=True)
+    for text in _errors(outcomes):
+        assert ("ParameterDivergenceError: model replicas diverged after step 1: 'w' (shard (1,) of mesh dims (1,), "
+                "held by ranks [1, 3]) has checksum rank 1 ") in text and ", rank 3 " in text
 
 
 def test_tensor_excluded_from_ddp_diverges() -> None:

@@ -46,15 +46,17 @@ _active: weakref.WeakSet[CollectiveGuard] = weakref.WeakSet()
 
 
 class _Guarded:
-    """Context manager for one guarded operation made of several collectives (``strategy.reduce``)."""
+    """Context manager for one guarded operation made of several collectives (``strategy.reduce``); ``as``
+    gives whether every rank's token of it was compared before its data moves (``confirm_first``)."""
 
-    __slots__ = ("_guard",)
+    __slots__ = ("_guard", "_confirmed")
 
-    def __init__(self, guard: CollectiveGuard) -> None:
-        self._guard = guard
+    def __init__(self, guard: CollectiveGuard, confirmed: bool = False) -> None:
+        self._guard, self._confirmed = guard, confirmed
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> bool:
         self._guard._depth += 1
+        return self._confirmed
 
     def __exit__(self, *exc: object) -> None:
         self._guard._depth -= 1
@@ -80,8 +82,8 @@ class _Refusing:
 class _Nothing:
     __slots__ = ()
 
-    def __enter__(self) -> None:
-        return None
+    def __enter__(self) -> bool:
+        return False  # nothing was confirmed
 
     def __exit__(self, *exc: object) -> None:
         return None
@@ -320,9 +322,10 @@ class CollectiveGuard:
         fp = self._record(op, match, group, sys._getframe(1))
         if fp is None:
             return _NOTHING
-        if self.confirm_first and _on_gloo(group):
+        confirmed = self.confirm_first and _on_gloo(group)
+        if confirmed:
             self._confirm(fp, op, group)
-        return _Guarded(self)
+        return _Guarded(self, confirmed)
 
     def refusing(self, error: Callable[[str, str], BaseException]) -> Any:
         """Context manager: inside, a user's collective (one the guard would check, not a trusted caller's

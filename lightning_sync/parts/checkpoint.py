@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lightning_sync.checkpoint_io import RANK_FILES, rank_file
+from lightning_sync.checkpoint_io import RANK_FILES, expect_rank_files, rank_file
 from lightning_sync.errors import ResumeError
 from lightning_sync.parts.base import Part
 from lightning_sync.parts.data import ResumableDataPart
@@ -23,6 +23,17 @@ from lightning_sync.resume.checkpoint import ResumeHooks
 from lightning_sync.seeding import CHECKPOINT_KEY
 
 __all__ = ["CheckpointStatePart"]
+
+def _write(target: Path, state: dict[str, Any]) -> None:
+    """``state`` to ``target``, complete or absent (a temporary name, synced, then renamed)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    with open(partial, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, target)
+
 
 class CheckpointStatePart(Part):
     """Owns the checkpoint's ``"lightning_sync"`` entry: the root seed, the world size, the global step,
@@ -43,32 +54,27 @@ class CheckpointStatePart(Part):
         step = checkpoint.get("global_step")
         if directory is not None:
             checkpoint[CHECKPOINT_KEY] = {**seed.lineage.shared_state(step), "rank_files": RANK_FILES}
-            self._to_write = seed.lineage.rank_state(payload)
+            self._to_write = {**seed.lineage.rank_state(payload), "global_step": step}
+            if strategy.global_rank == 0 and not directory.is_file():
+                # before the save's first collective: the directory now says which rank files complete it
+                expect_rank_files(directory, strategy.world_size)
             return
         state = seed.lineage.checkpoint_state(payload, step)
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state
 
     def after_save_checkpoint(self, strategy: Any, directory: Path | None) -> None:
+        # After the strategy's save (its path broadcast came after rank 0 cleared the directory): each rank
+        # writes its own file.
         mine, self._to_write = self._to_write, None
-        if directory is None or mine is None:
-            return
-        if not directory.is_dir():
-            raise ResumeError(
-                f"checkpoint: rank {strategy.global_rank} saved to {directory}, which the strategy did not write: "
-                "the ranks called trainer.save_checkpoint with different paths (the checkpoint went to rank 0's). "
-                "Call it with the same path on every rank (ModelCheckpoint does), or this rank's RNG state and loader "
-                "position are missing from it.")
-        target = rank_file(directory, strategy.global_rank, strategy.world_size)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-        torch.save(mine, partial)
-        os.replace(partial, target)  # complete or absent, never half written
+        if directory is not None and mine is not None and directory.is_dir():
+            _write(rank_file(directory, strategy.global_rank, strategy.world_size), mine)
 
     def on_load_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], fitting: bool,
                            directory: Path | None) -> None:
         state = checkpoint.get(CHECKPOINT_KEY)
-        if isinstance(state, dict) and state.get("rank_files") and state.get("world_size") == strategy.world_size:
+        if (fitting and isinstance(state, dict) and state.get("rank_files")
+                and state.get("world_size") == strategy.world_size):  # validate/test/predict need none of it
             self._read_own(state, directory, strategy.global_rank, strategy.world_size)
         seed = strategy.part(SeedLineagePart)
         if seed is not None:
@@ -86,6 +92,12 @@ class CheckpointStatePart(Part):
                 f"{RANK_FILES}/rank<r>-of-{world_size}.pt present), or from this one with another world size (the "
                 "rest of the epoch is dealt out again, without the per-rank states).")
         own = torch.load(path, map_location="cpu", weights_only=True)
+        if own.get("global_step") != state.get("global_step"):
+            raise ResumeError(
+                f"resume: rank {rank}'s state file {path} was written at global step {own.get('global_step')}, the "
+                f"checkpoint at step {state.get('global_step')}: it belongs to another save (the ranks saved to "
+                "different paths, or the directory was assembled from two saves). Resume from a checkpoint written by "
+                "one save.")
         rng_states: list[Any] = [None] * world_size
         rng_states[rank] = own["rng_state"]
         state["rng_states"] = rng_states

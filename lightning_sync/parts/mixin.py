@@ -168,8 +168,8 @@ class SyncStrategyMixin:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
         op = reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1].lower()
         match = f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(map(str, tensor.shape))}] op={op}"
-        with guard.guarded("strategy.reduce", match, group):
-            if guard.guard.confirm_first and dist.is_initialized() and dist.get_world_size(group) > 1:
+        with guard.guarded("strategy.reduce", match, group) as confirmed:
+            if confirmed and dist.get_world_size(group) > 1:
                 # Every rank's token of this call was compared before its data moves (confirm_first):
                 # Lightning's barrier before the all_reduce, which pairs a rank-0-only self.log harmlessly
                 # elsewhere, would be one more round trip a step that checks nothing more.

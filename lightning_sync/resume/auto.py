@@ -23,12 +23,15 @@ def find_resume_checkpoint(directories: list[Path]) -> Path | None:
     """
     from lightning_sync.checkpoint_io import DCP_METADATA, RANK_FILES, SHARDED_META, checkpoint_problem
 
+    def _sharded(path: Path) -> bool:  # a sharded checkpoint's directory, complete or cut short
+        return path.is_dir() and ((path / SHARDED_META).exists() or (path / DCP_METADATA).exists()
+                                  or (path / RANK_FILES).is_dir() or any(path.glob("*.distcp")))
+
     candidates: list[Path] = []
     for directory in directories:
         if directory.is_dir() and not (directory / SHARDED_META).is_file():
             # one-file checkpoints, and sharded ones: directories named *.ckpt (DCP shards + meta.pt)
-            candidates += [p for p in directory.rglob("*.ckpt") if p.is_file() or (p / SHARDED_META).exists()
-                           or (p / DCP_METADATA).exists()]
+            candidates += [p for p in directory.rglob("*.ckpt") if p.is_file() or _sharded(p)]
         elif directory.exists():
             candidates.append(directory)
 

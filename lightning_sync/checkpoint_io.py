@@ -184,7 +184,7 @@ def rank_files_problem(directory: PathLike) -> str | None:
         if expected is None:
             continue
         size = int(expected[1])
-        missing = [r for r in range(size) if f"rank{r}-of-{size}.pt" not in names]
+        missing = [r for r in range(size) if rank_file(directory, r, size).name not in names]
         if missing:
             shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
             return f"the per-rank state of rank(s) {shown} is missing from {folder}"

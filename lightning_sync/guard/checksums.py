@@ -8,6 +8,7 @@ compared. :func:`replica_group_key` names that shard.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import Tensor
 __all__ = ["checksum", "parameter_checksums", "replica_group_key"]
 
 
+@functools.cache
 def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor

@@ -8,13 +8,12 @@ written by that rank: no gather, nothing on rank 0 that grows with the number of
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_sync.checkpoint_io import RANK_FILES, expect_rank_files, rank_file
+from lightning_sync.checkpoint_io import RANK_FILES, atomic_save, expect_rank_files, rank_file
 from lightning_sync.errors import ResumeError
 from lightning_sync.parts.base import Part
 from lightning_sync.parts.data import ResumableDataPart
@@ -23,16 +22,6 @@ from lightning_sync.resume.checkpoint import ResumeHooks
 from lightning_sync.seeding import CHECKPOINT_KEY
 
 __all__ = ["CheckpointStatePart"]
-
-def _write(target: Path, state: dict[str, Any]) -> None:
-    """``state`` to ``target``, complete or absent (a temporary name, synced, then renamed)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-    with open(partial, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, target)
 
 
 class CheckpointStatePart(Part):
@@ -68,7 +57,7 @@ class CheckpointStatePart(Part):
         # writes its own file.
         mine, self._to_write = self._to_write, None
         if directory is not None and mine is not None and directory.is_dir():
-            _write(rank_file(directory, strategy.global_rank, strategy.world_size), mine)
+            atomic_save(mine, rank_file(directory, strategy.global_rank, strategy.world_size))
 
     def on_load_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], fitting: bool,
                            directory: Path | None) -> None:

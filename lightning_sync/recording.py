@@ -2,12 +2,16 @@
 
 Shared by :class:`~lightning_sync.ValidationGather` and :class:`~lightning_sync.PredictionWriter`.
 When Lightning prepares an evaluation or predict dataloader (after injecting its
-``DistributedSampler``), :func:`attach_recorder` has the strategy's ``process_dataloader`` step give
-the dataloader's batch sampler a recording subclass (the same object; ``isinstance`` checks still
-hold). Batch samplers run in the main process, in order, even with ``num_workers > 0``, so the
-index lists they yield form a queue (:class:`BatchLog`) that the ``on_*_batch_end`` hooks consume
-one batch at a time. A log may also drop batches before they are loaded (:meth:`BatchLog.accept`).
-:func:`detach_recorder` restores everything.
+``DistributedSampler``), :func:`attach_recorder` re-creates it, as Lightning itself re-creates
+loaders, around a :class:`RecordingBatchSampler` that wraps the loader's batch sampler (the user's
+loader and sampler are never modified; Lightning's prediction index wrapper stays outermost). Batch
+samplers run in the main process, in order, even with ``num_workers > 0``, so the index lists they
+yield form a queue (:class:`BatchLog`) that the ``on_*_batch_end`` hooks consume one batch at a time.
+A log may also drop batches before they are loaded (:meth:`BatchLog.accept`).
+
+The point where the final batch sampler exists and has not yielded yet is the strategy's
+``process_dataloader``: a sync strategy calls observers registered with its
+``observe_dataloaders``; any other strategy gets the same through ``_compat.observe_dataloaders``.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_sync._compat.lightning_api import loop_dataloaders
+from lightning_sync._compat.lightning_api import (loop_dataloaders, observe_dataloaders, rebuild_dataloader,
+                                                  rewrap_index_batch_sampler, unwrap_index_batch_sampler)
 
-__all__ = ["OUTPUT_KEY", "BatchLog", "Recorder", "Stage", "active_loaders", "attach_recorder", "detach_recorder"]
+__all__ = ["OUTPUT_KEY", "BatchLog", "Recorder", "RecordingBatchSampler", "Stage", "active_loaders", "attach_recorder"]
 
 Stage = Literal["validate", "test", "predict"]
 _RUNNING: dict[RunningStage, Stage] = {
@@ -32,12 +37,8 @@ _RUNNING: dict[RunningStage, Stage] = {
     RunningStage.TESTING: "test",
     RunningStage.PREDICTING: "predict",
 }
-_ACTIVE = "_lightning_sync_gathers"  # strategy attributes while an index-recording callback is attached
-_PREVIOUS = "_lightning_sync_process_dataloader"
 #: Key for a ``*_step`` that returns a single tensor instead of a dict.
 OUTPUT_KEY = "output"
-
-
 
 
 class BatchLog:
@@ -63,71 +64,100 @@ class BatchLog:
         return True
 
 
-# id(sampler) -> the logs of every ValidationGather recording it (ids stay valid: the installers
-# hold a reference until they restore the class)
-_LOGS: dict[int, list[BatchLog]] = {}
-_RECORDING: dict[type, type] = {}
+class RecordingBatchSampler:
+    """Yields the batches of ``inner`` and pushes each to every attached :class:`BatchLog`.
 
+    With no log attached it passes batches through unchanged. ``batch_size``, ``drop_last`` and
+    ``sampler`` are copied from ``inner`` when it has them (Lightning and users read them from a
+    loader's batch sampler), any other attribute is looked up on ``inner``.
+    """
 
-def _recording_class(cls: type) -> type:
-    """A subclass of ``cls`` whose ``__iter__`` also pushes every yielded batch to the logs."""
-    if cls in _RECORDING.values():
-        return cls
-    if cls not in _RECORDING:
-        iter_of_base: Callable[[Any], Iterator[Any]] = getattr(cls, "__iter__")  # noqa: B009
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.logs: list[BatchLog] = []
+        for name in ("batch_size", "drop_last", "sampler"):
+            if hasattr(inner, name):
+                setattr(self, name, getattr(inner, name))
 
-        def __iter__(self: Any) -> Iterator[Any]:  # noqa: N807
-            inner = iter_of_base(self)
-            logs = _LOGS.get(id(self), [])
-            for log in logs:
-                log.start()
-            # next() rather than a for loop: samplers whose __iter__ returns self (such as
-            # Lightning's index batch-sampler wrapper) would otherwise re-enter this __iter__
-            while True:
-                try:
-                    batch = next(inner)
-                except StopIteration:
-                    return
+    def __iter__(self) -> Iterator[Any]:
+        logs = list(self.logs)  # this pass's logs, as attached when it started
+        for log in logs:
+            log.start()
+        inner = iter(self.inner)
+        # next() rather than a for loop over the sampler itself: samplers whose __iter__ returns self
+        # (Lightning's index wrapper) must be advanced, not restarted
+        while True:
+            try:
+                batch = next(inner)
+            except StopIteration:
+                return
+            if logs:
                 if not all([log.accept(batch) for log in logs]):  # a list: every log sees every batch
                     continue
                 for log in logs:
                     log.push(batch)
-                yield batch
+            yield batch
 
-        # empty __slots__: the layout equals cls's, so assigning __class__ is allowed
-        _RECORDING[cls] = type(f"Recording{cls.__name__}", (cls,), {"__slots__": (), "__iter__": __iter__,
-                                                                     "__module__": __name__})
-    return _RECORDING[cls]
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def _recording_sampler(loader: DataLoader[Any]) -> RecordingBatchSampler | None:
+    """The recording wrapper a prepared loader already has (outermost, or inside Lightning's index wrapper)."""
+    target = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+    target = unwrap_index_batch_sampler(target)
+    return target if isinstance(target, RecordingBatchSampler) else None
 
 
 class Recorder:
-    """Installs index recording on evaluation dataloaders and undoes it."""
+    """Records the batches of the evaluation dataloaders it is given, and stops recording them."""
 
     def __init__(self, new_log: Callable[[], BatchLog] = BatchLog) -> None:
         self.new_log = new_log
         self.logs: dict[int, tuple[object, BatchLog | str]] = {}  # id(loader) -> its log, or why it has none
-        self._patched: list[tuple[Any, type, BatchLog]] = []  # (sampler, its class before, our log)
+        self._attached: list[tuple[RecordingBatchSampler, BatchLog]] = []
 
-    def install(self, loader: object) -> None:
-        if not isinstance(loader, DataLoader) or id(loader) in self.logs:
-            return  # a custom iterable: the *_step must return the indices itself
+    def install(self, loader: object) -> object:
+        """Record the batches of ``loader``; returns the loader to use in its place.
+
+        That is a re-created copy around a :class:`RecordingBatchSampler` (or ``loader`` itself when it
+        already records, or cannot be recorded: :meth:`lookup` then says why).
+        """
+        if not isinstance(loader, DataLoader):
+            return loader  # a custom iterable: the *_step must return the indices itself
+        known = self.logs.get(id(loader))
+        if known is not None and known[0] is loader:
+            return loader
         if isinstance(loader.dataset, IterableDataset):
             self.logs[id(loader)] = (loader, "its dataset is an IterableDataset, which has no dataset indices")
-            return
+            return loader
         if getattr(loader, "in_order", True) is False:
             self.logs[id(loader)] = (loader, "it was built with in_order=False, so batches may arrive out of order")
-            return
-        target = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-        before = type(target)
-        try:
-            target.__class__ = _recording_class(before)
-        except TypeError as err:
-            self.logs[id(loader)] = (loader, f"its sampler {before.__name__} cannot be instrumented ({err})")
-            return
+            return loader
+        recording = _recording_sampler(loader)
+        if recording is None:
+            try:
+                if loader.batch_sampler is None:  # batch_size=None: the sampler yields one sample's index at a time
+                    recording = RecordingBatchSampler(loader.sampler)
+                    loader = rebuild_dataloader(loader, sampler=recording)
+                else:
+                    recording = RecordingBatchSampler(unwrap_index_batch_sampler(loader.batch_sampler))
+                    batch_sampler = rewrap_index_batch_sampler(loader.batch_sampler, recording)
+                    loader = rebuild_dataloader(loader, batch_sampler=batch_sampler)
+            except Exception as err:  # noqa: BLE001 - any re-creation failure: say why, keep the loader
+                self.logs[id(loader)] = (loader, f"it cannot be re-created around a recording batch sampler "
+                                                 f"({type(err).__name__}: {err})")
+                return loader
         log = self.new_log()
-        _LOGS.setdefault(id(target), []).append(log)
-        self._patched.append((target, before, log))
+        recording.logs.append(log)
+        self._attached.append((recording, log))
         self.logs[id(loader)] = (loader, log)
+        return loader
 
     def lookup(self, loader: object) -> BatchLog | str:
         entry = self.logs.get(id(loader))
@@ -137,15 +167,11 @@ class Recorder:
         return entry[1]
 
     def uninstall(self) -> None:
-        for target, before, log in reversed(self._patched):
-            logs = _LOGS.get(id(target), [])
-            logs[:] = [other for other in logs if other is not log]
-            if not logs:  # no other ValidationGather records this sampler: give it its class back
-                _LOGS.pop(id(target), None)
-                target.__class__ = before if before not in _RECORDING.values() else before.__mro__[1]
-        self._patched.clear()
+        """Stop recording: the re-created loaders pass their batches through unchanged from now on."""
+        for recording, log in self._attached:
+            recording.logs[:] = [other for other in recording.logs if other is not log]
+        self._attached.clear()
         self.logs.clear()
-
 
 
 class _Recording(Protocol):
@@ -155,47 +181,27 @@ class _Recording(Protocol):
     _recorder: Recorder
 
 
-def attach_recorder(trainer: pl.Trainer, client: _Recording) -> None:
-    """Install ``client._recorder`` on every dataloader the trainer prepares in ``client.stages``.
+def attach_recorder(trainer: pl.Trainer, client: _Recording) -> Callable[[], None]:
+    """Record, with ``client._recorder``, every dataloader the trainer prepares in ``client.stages``.
 
     Lightning calls ``strategy.process_dataloader`` on every dataloader right after injecting its
     ``DistributedSampler`` and before the first ``iter()``: the one point where the final batch
-    sampler exists and has not yielded anything yet. One instance attribute per strategy, shared by
-    every recording callback, removed when the last one detaches (:func:`detach_recorder`).
+    sampler exists and has not yielded anything yet. Returns the undo, which also stops the recording.
     """
-    strategy = trainer.strategy
-    clients: list[_Recording] | None = strategy.__dict__.get(_ACTIVE)
-    if clients is None:
-        clients = []
-        original = strategy.process_dataloader
-        active = clients
+    recorder, stages = client._recorder, client.stages
 
-        def process_dataloader(dataloader: object) -> object:
-            dataloader = original(dataloader)
-            running = _RUNNING.get(trainer.state.stage) if trainer.state.stage is not None else None
-            for client in active:
-                if running in client.stages:
-                    client._recorder.install(dataloader)
-            return dataloader
+    def observe(dataloader: object) -> object:
+        stage = trainer.state.stage
+        running = _RUNNING.get(stage) if stage is not None else None
+        return recorder.install(dataloader) if running in stages else dataloader
 
-        strategy.__dict__[_ACTIVE] = clients
-        strategy.__dict__[_PREVIOUS] = strategy.__dict__.get("process_dataloader")
-        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
-    clients.append(client)
+    stop_observing = observe_dataloaders(trainer.strategy, observe)
 
+    def detach() -> None:
+        stop_observing()
+        recorder.uninstall()
 
-def detach_recorder(strategy: Any, client: _Recording) -> None:
-    """Undo :func:`attach_recorder` for ``client``; give every sampler its class back."""
-    clients = strategy.__dict__.get(_ACTIVE, [])
-    clients[:] = [c for c in clients if c is not client]
-    if not clients:
-        strategy.__dict__.pop(_ACTIVE, None)
-        previous = strategy.__dict__.pop(_PREVIOUS, None)
-        if previous is None:
-            strategy.__dict__.pop("process_dataloader", None)
-        else:
-            strategy.__dict__["process_dataloader"] = previous
-    client._recorder.uninstall()
+    return detach
 
 
 def active_loaders(trainer: pl.Trainer, stage: Stage) -> list[Any]:

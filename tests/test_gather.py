@@ -80,26 +80,62 @@ def test_callback_rejects_bad_arguments() -> None:
         ls.ValidationGather(metrics={"acc": 0.5})
 
 
+class _SlottedBatchSampler:
+    """A user's batch sampler with __slots__ (its class could not be swapped for a recording one)."""
+
+    __slots__ = ("n", "size")
+
+    def __init__(self, n: int, size: int) -> None:
+        self.n, self.size = n, size
+
+    def __iter__(self) -> Any:
+        return iter([list(range(i, min(i + self.size, self.n)))[::-1] for i in range(0, self.n, self.size)])
+
+    def __len__(self) -> int:
+        return -(-self.n // self.size)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_recorder_queue_matches_batches_with_prefetch(workers: int) -> None:
-    """Indices come from the batch sampler in the main process, in order, even with workers prefetching."""
+    """Indices come from the batch sampler in the main process, in order, even with workers prefetching.
+
+    The recorder re-creates each loader around a recording batch sampler: the user's loader and its
+    samplers are left as they were (same objects, same classes), Lightning's index wrapper stays outermost."""
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+
     data = list(range(23))
+    with _replace_dunder_methods(DataLoader, "dataset"):  # as Lightning captures a *_dataloader hook's arguments
+        positional = DataLoader(data, 3, False, num_workers=workers)
     loaders = [DataLoader(data, batch_size=4, num_workers=workers, sampler=DistributedSampler(data, 2, 1, seed=1)),
-               DataLoader(data, batch_sampler=_IndexBatchSamplerWrapper(BatchSampler(SequentialSampler(data), 5, True)))]
+               DataLoader(data, batch_sampler=_IndexBatchSamplerWrapper(BatchSampler(SequentialSampler(data), 5, True))),
+               DataLoader(data, batch_sampler=_SlottedBatchSampler(23, 6), num_workers=workers),
+               DataLoader(data, batch_size=None, num_workers=workers),  # no batch sampler: one index per item
+               positional]
     recorder = _Recorder()
+    recorded = []
     for loader in loaders:
-        before = type(loader.batch_sampler)
-        recorder.install(loader)
-        log = recorder.lookup(loader)
-        assert isinstance(log, _BatchLog) and isinstance(loader.batch_sampler, before)
+        before, sampler_before = loader.batch_sampler, loader.sampler
+        new = recorder.install(loader)
+        assert new is not loader and loader.batch_sampler is before and loader.sampler is sampler_before
+        assert recorder.install(new) is new  # already recording: kept
+        assert isinstance(recorder.lookup(loader), str)  # the user's own loader is not the one recorded
+        log = recorder.lookup(new)
+        assert isinstance(log, _BatchLog)
+        if isinstance(before, _IndexBatchSamplerWrapper):
+            assert type(new.batch_sampler) is _IndexBatchSamplerWrapper
+        assert len(new) == len(loader) and new.num_workers == loader.num_workers
         for _ in range(2):  # a second pass (epoch) starts a fresh queue
-            for batch in loader:
-                assert log.pop() == batch.tolist()  # the dataset returns its index
+            got = [torch.as_tensor(batch).tolist() for batch in new]
+            assert got == [torch.as_tensor(batch).tolist() for batch in loader]  # the same batches as the user's loader
+            for batch in got:
+                assert log.pop() == (batch if isinstance(batch, list) else [batch])  # the dataset returns its index
             assert log.pop() is None
+        recorded.append((new, log))
+    assert recorded[1][0].batch_sampler.seen_batch_indices  # Lightning's own index recording still works
+    assert recorded[4][0].batch_sampler.batch_size == 3  # DataLoader(data, 3, ...): its batch size, given by position
     recorder.uninstall()
-    assert type(loaders[0].batch_sampler) is BatchSampler
-    assert type(loaders[1].batch_sampler) is _IndexBatchSamplerWrapper
-    assert loaders[1].batch_sampler.seen_batch_indices  # Lightning's own recording still works
+    for new, log in recorded:  # stopped: the re-created loaders pass batches through, nothing is queued
+        assert list(new) and log.pop() is None
 
 
 # ---------------------------------------------------------------- RowCollector on real gloo ranks

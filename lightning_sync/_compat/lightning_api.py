@@ -40,7 +40,9 @@ __all__ = [
 
 
     "FIT_IMPL_NAME",
-    "dataloader_with_batch_sampler",
+    "observe_dataloaders",
+    "rebuild_dataloader",
+    "rewrap_index_batch_sampler",
     "ddp_kwargs",
     "own_checkpoint_io",
     "set_own_checkpoint_io",
@@ -260,22 +262,86 @@ def wrapped_sampler(sampler: Any) -> Any:
     return dataset._sampler if isinstance(dataset, _DatasetSamplerWrapper) else None
 
 
-def dataloader_with_batch_sampler(dataloader: Any, batch_sampler: Any) -> Any:
-    """A copy of ``dataloader`` (its class and arguments, as Lightning re-creates loaders) with ``batch_sampler``."""
+def rewrap_index_batch_sampler(outer: Any, inner: Any) -> Any:
+    """``inner`` wrapped as ``outer`` wraps its batch sampler in Lightning's prediction index wrapper (else ``inner``)."""
+    if isinstance(outer, _RecentIndexBatchSampler):
+        return _RecentIndexBatchSampler(inner, outer._recent_window)
+    if isinstance(outer, _IndexBatchSamplerWrapper):
+        return _IndexBatchSamplerWrapper(inner)
+    return inner
+
+
+def rebuild_dataloader(dataloader: Any, batch_sampler: Any = None, sampler: Any = None) -> Any:
+    """A copy of ``dataloader`` (its class and arguments, as Lightning re-creates loaders) with ``batch_sampler``.
+
+    With ``sampler`` instead, the copy keeps the loader's batching (``batch_size=None`` loaders, which
+    have no batch sampler) and draws its indices from ``sampler``. The user's loader is not modified.
+    """
     import copy
 
     from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
     from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 
-    inner = unwrap_index_batch_sampler(dataloader.batch_sampler)
-    if inner is not dataloader.batch_sampler:
-        # Lightning's prediction loader (its own copy) wraps a plain BatchSampler; let the re-instantiation see
-        # the plain one, which it knows how to handle (DataLoader refuses attribute assignment after __init__)
-        dataloader = copy.copy(dataloader)
-        object.__setattr__(dataloader, "batch_sampler", inner)
-    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, inner.sampler)
-    kwargs.update(sampler=None, shuffle=False, batch_sampler=batch_sampler, batch_size=1, drop_last=False)
+    # read the arguments from a copy without its batch sampler: Lightning would otherwise re-create a
+    # custom batch sampler (or refuse one) only for it to be replaced here
+    probe = copy.copy(dataloader)
+    object.__setattr__(probe, "batch_sampler", None)  # DataLoader refuses the assignment after __init__
+    args, kwargs = _get_dataloader_init_args_and_kwargs(probe, sampler if sampler is not None else dataloader.sampler)
+    # arguments the hook's DataLoader(...) call gave by position become keywords, so the batching
+    # arguments set below cannot be given twice (Lightning's own predict re-creation fails on
+    # DataLoader(dataset, 32) made in a *_dataloader hook: "got multiple values for argument 'batch_size'")
+    names = tuple(getattr(dataloader, "__pl_saved_arg_names", ()))[:len(args)]
+    kwargs = {**dict(zip(names, args)), **kwargs}
+    args = tuple(args[len(names):])
+    if batch_sampler is not None:
+        kwargs.update(sampler=None, shuffle=False, batch_sampler=batch_sampler, batch_size=1, drop_last=False)
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def observe_dataloaders(strategy: Any, observer: Any) -> Any:
+    """Have ``observer(dataloader) -> dataloader`` see every loader ``strategy.process_dataloader`` returns.
+
+    A sync strategy offers this itself (``SyncStrategyMixin.observe_dataloaders``). Any other strategy's
+    ``process_dataloader`` (public) is wrapped on the instance while it has observers. Returns the undo.
+    """
+    own = getattr(strategy, "observe_dataloaders", None)
+    if own is not None:
+        return own(observer)
+    observers: list[Any] | None = strategy.__dict__.get(_OBSERVERS)
+    if observers is None:
+        observers = []
+        original = strategy.process_dataloader
+        watching = observers
+
+        def process_dataloader(dataloader: object) -> object:
+            dataloader = original(dataloader)
+            for fn in tuple(watching):
+                dataloader = fn(dataloader)
+            return dataloader
+
+        strategy.__dict__[_OBSERVERS] = observers
+        strategy.__dict__[_OBSERVED] = strategy.__dict__.get("process_dataloader")
+        strategy.process_dataloader = process_dataloader
+
+    def undo() -> None:
+        current = strategy.__dict__.get(_OBSERVERS)
+        if current is None or observer not in current:
+            return
+        current.remove(observer)
+        if not current:  # the last observer: the strategy's own process_dataloader again
+            strategy.__dict__.pop(_OBSERVERS)
+            previous = strategy.__dict__.pop(_OBSERVED, None)
+            if previous is None:
+                strategy.__dict__.pop("process_dataloader", None)
+            else:
+                strategy.__dict__["process_dataloader"] = previous
+
+    observers.append(observer)
+    return undo
+
+
+_OBSERVERS = "_lightning_sync_dataloader_observers"
+_OBSERVED = "_lightning_sync_process_dataloader"
 
 
 def _exact_eval_names_fit() -> bool:
@@ -590,8 +656,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("lightning.pytorch.LightningModule._trainer", "exact_eval: the trainer state before attaching",
                lambda: "_trainer" in vars(__import__("lightning.pytorch", fromlist=["LightningModule"]).LightningModule())),
     TouchPoint("lightning.pytorch.utilities.data._get_dataloader_init_args_and_kwargs, "
-               "lightning.fabric.utilities.data._reinstantiate_wrapped_cls, _IndexBatchSamplerWrapper._batch_sampler, "
-               "_DatasetSamplerWrapper._sampler", "exact_eval: evaluation loaders re-cut with an exact batch sampler",
+               "lightning.fabric.utilities.data._reinstantiate_wrapped_cls, DataLoader.__pl_saved_arg_names, "
+               "_IndexBatchSamplerWrapper._batch_sampler, _DatasetSamplerWrapper._sampler",
+               "exact_eval and index recording: evaluation loaders re-created around another batch sampler",
                _exact_eval_names_fit),
     TouchPoint("lightning.pytorch.loops._TrainingEpochLoop._broadcast_sigterm_tensor (called by advance each step); "
                "Trainer._run registers signal handlers, then _run_stage calls strategy.barrier('run-stage')",

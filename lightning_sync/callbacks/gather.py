@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_sync import collectives
 from lightning_sync.gathering import INDEX_KEY, RowCollector
-from lightning_sync.recording import OUTPUT_KEY, Stage, active_loaders, attach_recorder, detach_recorder
+from lightning_sync.recording import OUTPUT_KEY, Stage, active_loaders, attach_recorder
 from lightning_sync.recording import BatchLog as _BatchLog
 from lightning_sync.recording import Recorder as _Recorder
 
@@ -138,20 +138,18 @@ class ValidationGather(pl.Callback):
         self._recorder = _Recorder()
         self._collectors: dict[int, RowCollector] = {}
         self._warned: set[str] = set()
-        self._strategy: Any = None
+        self._detach: Callable[[], None] | None = None
 
     # ---------------------------------------------------------------- install / uninstall
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._strategy is None:
-            attach_recorder(trainer, self)
-            self._strategy = trainer.strategy
+        if self._detach is None:
+            self._detach = attach_recorder(trainer, self)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy, self._strategy = self._strategy, None
-        if strategy is not None:
-            detach_recorder(strategy, self)
-        self._recorder.uninstall()
+        detach, self._detach = self._detach, None
+        if detach is not None:
+            detach()
         self._collectors.clear()
 
     # ---------------------------------------------------------------- per batch

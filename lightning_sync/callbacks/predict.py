@@ -18,7 +18,7 @@ import shutil
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,7 +42,6 @@ from lightning_sync.recording import (
     Stage,
     active_loaders,
     attach_recorder,
-    detach_recorder,
 )
 
 __all__ = ["PredictionWriter"]
@@ -168,7 +167,7 @@ class PredictionWriter(pl.Callback):
         self.stages: tuple[Stage, ...] = ("predict",)
         self.manifest: dict[str, Any] | None = None
         self._recorder = Recorder(new_log=lambda: _PositionLog(self))
-        self._strategy: Any = None
+        self._detach: Callable[[], None] | None = None
         self._reset()
 
     @property
@@ -197,9 +196,8 @@ class PredictionWriter(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "predict":
             return
-        if self._strategy is None:
-            attach_recorder(trainer, self)
-            self._strategy = trainer.strategy
+        if self._detach is None:
+            self._detach = attach_recorder(trainer, self)
         self._reset()
         self._rank = trainer.global_rank
         decision: dict[str, Any] | None = None
@@ -438,9 +436,9 @@ class PredictionWriter(pl.Callback):
         self.teardown(trainer, pl_module, "predict")  # Lightning skips the teardown hooks after an exception
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy, self._strategy = self._strategy, None
-        if strategy is not None:
-            detach_recorder(strategy, self)
+        detach, self._detach = self._detach, None
+        if detach is not None:
+            detach()
         self._parts = None
         self._done = None
 

@@ -37,7 +37,9 @@ and test step, and each backward), ``scale_loss``, ``run_stage_started``, ``on_t
 ``on_save_checkpoint(strategy, checkpoint, directory)``, ``after_save_checkpoint(strategy, directory)``,
 ``on_load_checkpoint(strategy, checkpoint, fitting, directory)`` (``directory``: a sharded checkpoint's),
 ``configure_launcher``, ``on_exception``, ``before_teardown``, ``closing`` (the run's last collectives,
-group healthy), ``after_teardown`` (always).
+group healthy), ``after_teardown`` (always). Callbacks that must see each prepared dataloader before
+its first ``iter()`` register with ``strategy.observe_dataloaders`` (after the parts; on Lightning's own
+strategies ``_compat.observe_dataloaders`` gives the same).
 
 Add a guarantee: a ``Part`` subclass in a module of its own here, with the hooks it needs, put in
 ``default_parts`` (and in the list of every strategy it fits) behind a constructor argument.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -235,7 +235,25 @@ class SyncStrategyMixin:
         trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
         for p in self._parts:
             dataloader = p.process_dataloader(self, dataloader, trainer)
+        for observer in tuple(self.__dict__.get("_dataloader_observers", ())):
+            dataloader = observer(dataloader)
         return dataloader
+
+    def observe_dataloaders(self, observer: Callable[[object], object]) -> Callable[[], None]:
+        """Have ``observer(dataloader) -> dataloader`` see every loader, after the parts; returns the undo.
+
+        The seam for callbacks that must see a dataloader after the Trainer prepared it and before its
+        first ``iter()`` (``ValidationGather``'s index recording); ``_compat.observe_dataloaders`` gives
+        the same on Lightning's own strategies.
+        """
+        observers: list[Callable[[object], object]] = self.__dict__.setdefault("_dataloader_observers", [])
+        observers.append(observer)
+
+        def undo() -> None:
+            if observer in observers:
+                observers.remove(observer)
+
+        return undo
 
     def barrier(self, name: str | None = None) -> None:
         module = getattr(self, "lightning_module", None)

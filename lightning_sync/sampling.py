@@ -6,7 +6,8 @@ torchmetrics objects differ from one process on the whole set. Under ``ddp_sync`
 ``exact_eval=True`` the strategy hands every evaluation loader (validate, test, fit's validation,
 predict) to :func:`exact_eval_dataloader`, which keeps the loader's sample order (shuffled or not,
 the user's own ``DistributedSampler``, a custom sampler inside Lightning's
-``DistributedSamplerWrapper``) and replaces only how it is cut:
+``DistributedSamplerWrapper``; a shuffled order of more than :data:`IN_MEMORY_SHUFFLE_MAX` samples
+is another one, computed as it is read: :class:`RandomPermutation`) and replaces only how it is cut:
 
 * rank ``r`` gets a contiguous block of that order, ``N // W`` samples or one more (no padding);
 * every rank runs the same number of steps, ``ceil(N / (W * B))``, wherever that is possible
@@ -28,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
@@ -36,8 +38,11 @@ from lightning_sync.errors import UnevenEvaluationError, format_ranks
 
 __all__ = [
     "EVALUATION_STEP_HOOKS",
+    "IN_MEMORY_SHUFFLE_MAX",
+    "SHUFFLE_ORDERS",
     "EpochOrder",
     "ExactEvalBatchSampler",
+    "RandomPermutation",
     "ExactEvaluation",
     "StepPlan",
     "batch_sizes",
@@ -45,6 +50,7 @@ __all__ = [
     "global_order",
     "plan_steps",
     "shard_sizes",
+    "shuffle_order",
 ]
 
 EVALUATION_STEP_HOOKS = ("validation_step", "test_step", "predict_step")
@@ -119,27 +125,107 @@ def plan_steps(num_samples: int, world_size: int, batch_size: int) -> StepPlan:
     return StepPlan(num_samples, batch_size, tuple(counts), tuple(batches))
 
 
+#: Shuffled orders of at most this many samples are torch's ``DistributedSampler`` order (``randperm``,
+#: held as one int32 tensor: 64 MiB at this size); larger ones are computed on the fly
+#: (:class:`RandomPermutation`, nothing held per sample), a different order of the same samples.
+IN_MEMORY_SHUFFLE_MAX = 2**24
+#: How a shuffled epoch order is drawn from its seed (recorded in the training sampler's checkpoint state).
+SHUFFLE_ORDERS = ("randperm", "feistel")
+
+
+def shuffle_order(num: int) -> str:
+    """The shuffled order used for ``num`` samples: ``"randperm"`` up to :data:`IN_MEMORY_SHUFFLE_MAX`, else ``"feistel"``."""
+    return "randperm" if num <= IN_MEMORY_SHUFFLE_MAX else "feistel"
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: the multiply-shift hash's odd multiplier
+
+
+class RandomPermutation:
+    """A seeded permutation of ``range(num)``, computed position by position: O(1) memory at any size.
+
+    A 6-round unbalanced Feistel network on the bit width of ``num - 1`` (at most ``2 * num``
+    values), with cycle walking: a value ``>= num`` is permuted again until it falls in range, so
+    every position maps to one index and every index to one position. Each round splits the value
+    into two parts and xors one with a multiply-shift hash of the other and a 64-bit round key; the
+    keys come from a ``torch.Generator`` seeded with ``seed``, so the order is a function of
+    ``(num, seed)`` alone, the same on every rank and machine. Reading ``perm[a:b:c]`` or
+    ``perm[positions]`` returns an int64 tensor (vectorised numpy: ~40 ns a sample here).
+    """
+
+    ROUNDS = 6
+
+    def __init__(self, num: int, seed: int) -> None:
+        if num < 1:
+            raise ValueError(f"RandomPermutation: need at least one sample, got {num}")
+        self.num = num
+        bits = max(2, (num - 1).bit_length())
+        g = torch.Generator()
+        g.manual_seed(seed)
+        self._keys = [np.uint64(int(k)) for k in torch.randint(0, 2**62, (self.ROUNDS,), generator=g)]
+        high, low = bits // 2, bits - bits // 2  # the part a round changes, the part it hashes
+        self._rounds = []
+        for key in self._keys:
+            self._rounds.append((key, np.uint64((1 << low) - 1), np.uint64(low), np.uint64(high), np.uint64(64 - high)))
+            high, low = low, high
+
+    def __len__(self) -> int:
+        return self.num
+
+    def _feistel(self, x: Any) -> Any:
+        for key, low_mask, low_bits, high_bits, shift in self._rounds:
+            low = x & low_mask
+            high = x >> low_bits
+            mixed = low ^ key
+            mixed *= _GOLDEN  # wraps modulo 2**64 (numpy arrays do not warn)
+            mixed >>= shift  # the product's top high_bits bits
+            high ^= mixed
+            low <<= high_bits  # the hashed part goes on top, the changed part below: the next round's split
+            low |= high
+            x = low
+        return x
+
+    def __getitem__(self, key: slice | torch.Tensor) -> torch.Tensor:
+        if isinstance(key, slice):
+            positions = np.arange(*key.indices(self.num), dtype=np.uint64)
+        else:
+            wanted = torch.as_tensor(key, dtype=torch.int64)
+            if wanted.numel() and (int(wanted.min()) < 0 or int(wanted.max()) >= self.num):
+                raise IndexError(f"RandomPermutation: positions must lie in 0..{self.num - 1}")
+            positions = wanted.numpy().astype(np.uint64)
+        out = self._feistel(positions)
+        walking = np.flatnonzero(out >= np.uint64(self.num))
+        while walking.size:
+            out[walking] = self._feistel(out[walking])
+            walking = walking[out[walking] >= np.uint64(self.num)]
+        return torch.from_numpy(out.astype(np.int64))
+
+
 class EpochOrder:
     """One epoch's order of dataset indices, without a Python list of them.
 
-    ``range(n)`` is arithmetic (nothing is held). A shuffled order is torch's
-    ``DistributedSampler`` order, ``torch.randperm(n)`` from a generator seeded with
-    ``seed + epoch``, held as one int32 tensor (int64 from 2**31 samples): 4 bytes a sample
-    instead of the ~36 of a list of Python ints (``randperm``'s values do not depend on its
-    dtype). The indices of a wrapped sampler are held as a tensor when they are integers, as the
+    ``range(n)`` is arithmetic (nothing is held). A shuffled order of up to
+    :data:`IN_MEMORY_SHUFFLE_MAX` samples is torch's ``DistributedSampler`` order,
+    ``torch.randperm(n)`` from a generator seeded with ``seed + epoch``, held as one int32 tensor:
+    4 bytes a sample instead of the ~36 of a list of Python ints (``randperm``'s values do not depend
+    on its dtype). A larger one is a :class:`RandomPermutation` of the same seed, computed as it is
+    read. The indices of a wrapped sampler are held as a tensor when they are integers, as the
     sampler's own list otherwise. Positions are read in slices (:meth:`take`, :meth:`pieces`), so
     iterating costs one small list per batch or per piece.
     """
 
-    def __init__(self, num: int, values: torch.Tensor | list[Any] | None = None) -> None:
+    def __init__(self, num: int, values: torch.Tensor | RandomPermutation | list[Any] | None = None) -> None:
         self.num = num
         self.values = values
 
     @classmethod
-    def of(cls, num: int, shuffle: bool, seed: int) -> EpochOrder:
-        """``range(num)``, or the permutation torch's ``DistributedSampler`` draws from ``seed``."""
+    def of(cls, num: int, shuffle: bool, seed: int, order: str | None = None) -> EpochOrder:
+        """``range(num)``, or the epoch's permutation drawn from ``seed`` (``order``: one of
+        :data:`SHUFFLE_ORDERS`, by default :func:`shuffle_order` of ``num``)."""
         if not shuffle:
             return cls(num)
+        if (order or shuffle_order(num)) == "feistel" and num > 0:
+            return cls(num, RandomPermutation(num, seed))
         g = torch.Generator()
         g.manual_seed(seed)
         return cls(num, torch.randperm(num, generator=g, dtype=torch.int32 if num < 2**31 else torch.int64))
@@ -221,7 +307,9 @@ def global_order(sampler: DistributedSampler[Any]) -> EpochOrder:
             values = torch.tensor(materialised, dtype=torch.int64)
         except (OverflowError, RuntimeError, ValueError):  # keys beyond int64: the list below
             values = None
-        if values is not None and isinstance(positions.values, torch.Tensor):
+        if values is not None and isinstance(positions.values, RandomPermutation):
+            values = values[positions.values[0:num]]
+        elif values is not None and isinstance(positions.values, torch.Tensor):
             values = values[positions.values.long()]
     if values is None:  # indices that are not int64 integers (a sampler of keys): the sampler's own list
         values = materialised if positions.values is None else [materialised[p] for p in positions.tolist()]

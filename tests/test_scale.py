@@ -1,7 +1,8 @@
 """Memory flat in the size of the data set: exact evaluation and prediction over 1e7 samples on 2 real ranks.
 
 The samplers and the batch-index bookkeeping of ``ddp_sync`` hold no Python list of the epoch's
-indices (an unshuffled order is a ``range``, a shuffled one a single int32 tensor), so rank 0's
+indices (an unshuffled order is a ``range``, a shuffled one a single int32 tensor, or above 2**24
+samples a permutation computed as it is read), so rank 0's
 peak RSS growth over a 10,000,001-sample epoch stays under 64 MiB (Lightning's ``ddp`` grows by
 ~390 MiB on the same epoch: ``bench/bench_scale.py``), and the logged values still equal one
 process on the whole set.
@@ -174,3 +175,88 @@ def test_epoch_order_reads_like_a_list_and_keeps_keys_beyond_int64() -> None:
 
     keys = [2**63 + i for i in range(4)]
     assert global_order(DistributedSamplerWrapper(Keys(keys), num_replicas=1, rank=0, shuffle=False)).tolist() == keys
+
+
+# ---------------------------------------------------------------- shuffled orders beyond IN_MEMORY_SHUFFLE_MAX
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 17, 1000, 4097, 65536, 100_003])
+def test_random_permutation_is_a_seeded_bijection(n: int) -> None:
+    from lightning_sync.sampling import RandomPermutation
+
+    perm = RandomPermutation(n, 7)
+    whole = perm[0:n]
+    assert whole.dtype == torch.int64 and sorted(whole.tolist()) == list(range(n))  # every index once
+    assert torch.equal(perm[torch.arange(n - 1, -1, -1)], whole.flip(0))  # positions read in any order
+    assert torch.equal(perm[1:n:3], whole[1::3]) and torch.equal(RandomPermutation(n, 7)[0:n], whole)
+    if n >= 1000:  # another seed (epoch): another order; neighbours are not neighbours
+        assert (RandomPermutation(n, 8)[0:n] != whole).float().mean() > 0.99
+        assert (whole[1:] - whole[:-1]).abs().double().mean() / n == pytest.approx(1 / 3, abs=0.02)
+    with pytest.raises(IndexError):
+        perm[torch.tensor([n])]
+
+
+def test_orders_beyond_in_memory_max_are_computed_and_hold_nothing_per_sample() -> None:
+    from torch.utils.data import DistributedSampler
+
+    from lightning_sync.resume import ResumableDistributedSampler
+    from lightning_sync.sampling import IN_MEMORY_SHUFFLE_MAX, EpochOrder, ExactEvalBatchSampler, RandomPermutation
+
+    assert isinstance(EpochOrder.of(IN_MEMORY_SHUFFLE_MAX, True, 0).values, torch.Tensor)  # torch's order up to it
+    assert isinstance(EpochOrder.of(IN_MEMORY_SHUFFLE_MAX + 1, True, 0).values, RandomPermutation)
+    n = 100_000_001  # randperm would hold 400 MB
+
+    class Sized:
+        def __len__(self) -> int:
+            return n
+
+    with _Peak() as peak:
+        batches = iter(ExactEvalBatchSampler(DistributedSampler(Sized(), 2, 1, shuffle=True, seed=3), 8192, 1, 2))  # type: ignore[arg-type]
+        first = [next(batches) for _ in range(20)]
+        sampler = ResumableDistributedSampler(Sized(), num_replicas=2, rank=0, shuffle=True, seed=3)  # type: ignore[arg-type]
+        it = iter(sampler)
+        head = [next(it) for _ in range(100_000)]
+    assert peak.growth < 16 * 2**20, peak.growth
+    assert all(len(b) == 8192 for b in first) and len({i for b in first for i in b}) == 20 * 8192
+    assert min(i for b in first for i in b) >= 0 and max(i for b in first for i in b) < n
+    order = RandomPermutation(n, 3)  # rank 1's contiguous block starts at position ceil(n / 2); rank 0 every 2nd
+    assert first[0] == order[(n + 1) // 2:(n + 1) // 2 + 8192].tolist() and head == order[0:200_000:2].tolist()
+
+
+def test_training_order_beyond_in_memory_max_resumes_exactly_and_old_states_keep_randperm() -> None:
+    from lightning_sync.errors import ResumeError
+    from lightning_sync.resume import ResumableDistributedSampler
+    from lightning_sync.sampling import IN_MEMORY_SHUFFLE_MAX
+
+    n = IN_MEMORY_SHUFFLE_MAX + 3
+
+    class Sized:
+        def __len__(self) -> int:
+            return n
+
+    def sampler(rank: int) -> ResumableDistributedSampler:
+        s = ResumableDistributedSampler(Sized(), num_replicas=2, rank=rank, seed=5)  # type: ignore[arg-type]
+        s.set_epoch(1)
+        return s
+
+    for rank in range(2):
+        uninterrupted = iter(sampler(rank))
+        whole = [next(uninterrupted) for _ in range(3000)]
+        stopped = sampler(rank)
+        it = iter(stopped)
+        head = [next(it) for _ in range(1000)]
+        state = stopped.state_dict()
+        assert state["order"] == "feistel" and head == whole[:1000]
+        resumed = sampler(rank)
+        resumed.load_state_dict(state)
+        resumed.set_epoch(1)
+        rest = iter(resumed)
+        assert head + [next(rest) for _ in range(2000)] == whole  # the same positions of the same order
+
+        # a state written before "order" was recorded resumes the order that wrote it: torch's randperm
+        old = {k: v for k, v in state.items() if k != "order"}
+        resumed = sampler(rank)
+        resumed.load_state_dict(old)
+        assert resumed.order == "randperm" and isinstance(resumed.epoch_order().values, torch.Tensor)
+        with pytest.raises(ResumeError, match="drew its shuffled order as 'sobol'"):
+            sampler(rank).load_state_dict({**state, "order": "sobol"})

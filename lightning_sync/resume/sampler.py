@@ -10,7 +10,7 @@ from typing import Any, Iterator, Sequence
 from torch.utils.data import Dataset, DistributedSampler
 
 from lightning_sync.errors import ResumeError
-from lightning_sync.sampling import EpochOrder
+from lightning_sync.sampling import SHUFFLE_ORDERS, EpochOrder, shuffle_order
 
 __all__ = ["SAMPLER_NAME", "ResumableDistributedSampler", "check_sampler_state"]
 
@@ -21,7 +21,10 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
     """torch's ``DistributedSampler`` (same order, same shards) that can stop and resume mid-epoch.
 
     The epoch is one global order: ``randperm(len(dataset))`` seeded with ``seed + epoch`` (or
-    ``range`` without shuffling). A *segment* of it, starting at global position ``start``, is padded
+    ``range`` without shuffling; above :data:`~lightning_sync.sampling.IN_MEMORY_SHUFFLE_MAX` samples
+    a :class:`~lightning_sync.sampling.RandomPermutation` of the same seed, computed as it is read:
+    other batches than torch's sampler, no memory per sample). ``order`` says which; a checkpoint
+    keeps it, so a resumed run goes on with the order it started with. A *segment* of it, starting at global position ``start``, is padded
     (or cut, with ``drop_last``) to a multiple of the world size and dealt out: rank ``r`` takes
     positions ``start + r, start + r + W, ...``. After every rank took ``k`` samples, positions
     ``start .. start + k*W - 1`` are consumed. On the same world size a resumed sampler continues
@@ -35,6 +38,7 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self.dataset_len = len(dataset)  # type: ignore[arg-type]
+        self.order = shuffle_order(self.dataset_len)  # how a shuffled epoch is drawn (SHUFFLE_ORDERS)
         self.start = 0  # global position where the current segment of this epoch begins
         self._skip: int | None = None  # set by load_state_dict: samples to skip at the next __iter__
         # The running epoch's iterator is a plain list iterator (no Python frame per index): how far it
@@ -70,7 +74,7 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
 
     def epoch_order(self) -> EpochOrder:
         """The epoch's global order (:class:`~lightning_sync.sampling.EpochOrder`, as the evaluation sampler's)."""
-        return EpochOrder.of(self.dataset_len, self.shuffle, self.seed + self.epoch)
+        return EpochOrder.of(self.dataset_len, self.shuffle, self.seed + self.epoch, self.order)
 
     def _pieces(self, skip: int) -> Iterator[Sequence[int]]:
         # Sample k of this rank is position j = rank + k * W of the segment; the segment is the
@@ -114,10 +118,11 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
     def state_dict(self) -> dict[str, Any]:
         return {"sampler": SAMPLER_NAME, "epoch": self.epoch, "seed": self.seed, "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "dataset_len": self.dataset_len, "world_size": self.num_replicas,
-                "start": self.start, "yielded": self.yielded, "segment_len": self._segment_len()}
+                "start": self.start, "yielded": self.yielded, "segment_len": self._segment_len(), "order": self.order}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_sampler_state(state, self.dataset_len, self.shuffle)
+        self.order = str(state.get("order", "randperm"))  # states written before "order" existed: randperm
         self.seed = int(state["seed"])
         self.drop_last = bool(state["drop_last"])
         self.epoch = int(state["epoch"])
@@ -141,6 +146,11 @@ def check_sampler_state(state: dict[str, Any], dataset_len: int, shuffle: bool) 
             f"resume: the training data set has {dataset_len} samples, the checkpoint's had {state['dataset_len']}: "
             "the position inside the interrupted epoch would point at other samples. Resume with the same data "
             "set, or start a new run (load only the weights: LightningModule.load_from_checkpoint).")
+    order = state.get("order", "randperm")
+    if order not in SHUFFLE_ORDERS:
+        raise ResumeError(f"resume: the checkpoint's training sampler drew its shuffled order as {order!r}; this "
+                          f"version of lightning_sync knows {list(SHUFFLE_ORDERS)}. Resume with the version that "
+                          "wrote the checkpoint.")
     if bool(state["shuffle"]) != shuffle:
         raise ResumeError(f"resume: training shuffle={shuffle}, the checkpoint's sampler had shuffle="
                           f"{state['shuffle']}. Resume with the same shuffle setting.")

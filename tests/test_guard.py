@@ -51,9 +51,10 @@ def _correct_program(rank: int, world: int) -> dict:
             dist.barrier()
         patched = getattr(dist.all_reduce, "__lightning_sync_guarded__", False)
         checks = guard.checks
+        agreed = guard._closing_agreed()  # the closing check's one store exchange shows the sequences equal
     restored = all(getattr(dist, name) is fn for name, fn in originals.items())
     return {"sum": x.tolist(), "obj": obj[0], "counts": counts, "patched": patched, "restored": restored,
-            "checks": checks}
+            "checks": checks, "agreed": agreed}
 
 
 def _mismatch(rank: int, world: int) -> None:
@@ -151,6 +152,7 @@ def test_correct_program_passes_and_torch_is_restored() -> None:
     assert r0["counts"] == [1, 2]
     assert r0["patched"] and r0["restored"] and r1["restored"]
     assert r0["checks"] == r1["checks"] == 24  # one per collective: broadcast_object_list's inner calls pass
+    assert r0["agreed"] and r1["agreed"]  # (call sites that differ: test_same_collective_from_different_lines_is_caught)
 
 
 def _errors(outcomes: list) -> list[str]:

@@ -10,6 +10,7 @@ on the hot path).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import sysconfig
@@ -67,11 +68,15 @@ def _library_dirs() -> tuple[str, ...]:
         path = getattr(mod, "__file__", None) if mod is not None else None
         if path:
             dirs.add(os.path.dirname(os.path.abspath(path)))
-    for key in ("stdlib", "platstdlib"):  # contextlib, functools, threading wrappers
-        path = sysconfig.get_paths().get(key)
-        if path:
-            dirs.add(os.path.abspath(path))
+    dirs.update(_stdlib_dirs())
     return tuple(d + os.sep for d in sorted(dirs))
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_dirs() -> tuple[str, ...]:
+    """contextlib, functools, threading wrappers (sysconfig is slow to ask: once per process)."""
+    paths = sysconfig.get_paths()
+    return tuple(os.path.abspath(paths[key]) for key in ("stdlib", "platstdlib") if paths.get(key))
 
 
 # The package's own training entry point is the user's code as far as call sites go: its ranks may

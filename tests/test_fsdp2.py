@@ -185,3 +185,79 @@ def test_consistency_check_names_a_buffer_updated_on_one_rank_under_fsdp2(tmp_pa
         assert rep["error"].startswith("ParameterDivergenceError: model replicas diverged after optimizer step 3: "
                                        "'seen' has checksum rank 0 12.012, rank 1 0; a buffer is updated on some "
                                        "ranks only")
+
+
+def _run_as_srun(out: Path, strategy: str, phase: str, bin_dir: Path, timeout: int = 300) -> list[str]:
+    """Both ranks started as ``srun --ntasks-per-node=2`` starts them (SLURM's variables), not by rank 0."""
+    from tests.launch import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")}
+    env |= {"PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", "OMP_NUM_THREADS": "1",
+            "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_JOB_NUM_NODES": "1",
+            "SLURM_NODEID": "0", "SLURM_JOB_ID": "4343", "SLURM_JOB_NAME": "preempt", "SLURM_NODELIST": "localhost",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen(["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPT), "--out", str(out),
+                               "--strategy", strategy, "--phase", phase],
+                              env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=timeout + 30)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n=== rank 1 ===\n".join(log[-5000:] for log in logs)
+    return logs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_slurm_requeue_under_fsdp2_saves_one_sharded_checkpoint_at_an_agreed_step_and_resumes_exactly(
+        tmp_path: Path) -> None:
+    """SLURM's requeue signal reaches rank 0 inside step 6 and rank 1 inside step 7 (a stand-in ``scontrol`` on
+    PATH records the requeue). Lightning's handler would start the sharded save's collectives right there,
+    at different steps; under model_parallel_sync both ranks agree on the start of step 7 and save one
+    distributed checkpoint at its end, with each rank's state in a file of its own; resuming it ends with
+    the batches and the weights of the uninterrupted run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    _ok(_run(tmp_path, "model_parallel_sync", "full"))
+    _run_as_srun(tmp_path, "model_parallel_sync", "preempt", bin_dir)
+    pre = _reports(tmp_path, "preempt")
+    assert [p["requeue_checkpoints"] for p in pre] == [1, 1], pre  # one agreed save, not one per signal
+    assert calls.read_text().split("\n")[0] == "requeue 4343", calls.read_text()  # rank 0 only, once
+    saved = tmp_path / "preempt" / "hpc_ckpt_1.ckpt"
+    assert sorted(p.name for p in (tmp_path / "preempt").glob("hpc_ckpt_*")) == ["hpc_ckpt_1.ckpt"]
+    assert saved.is_dir() and sorted(p.name for p in (saved / "lightning_sync").iterdir()) == [
+        "expect-2-ranks", "rank0-of-2.pt", "rank1-of-2.pt"]
+    _run_as_srun(tmp_path, "model_parallel_sync", "requeued", bin_dir)
+    full, resumed = _reports(tmp_path, "full"), _reports(tmp_path, "requeued")
+    for r in range(2):
+        assert pre[r]["steps"] == full[r]["steps"][:9]
+        assert resumed[r]["steps"] == full[r]["steps"][8:], f"rank {r}: the resumed batches differ"
+    a, b = torch.load(tmp_path / "full" / "full.pt"), torch.load(tmp_path / "requeued" / "full.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a), "final weights differ from the uninterrupted run"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_rank_dying_while_last_ckpt_is_overwritten_leaves_it_skipped_and_the_resume_exact(tmp_path: Path) -> None:
+    """Rank 1 dies inside step 10's overwrite of last.ckpt, after the shards and meta.pt, before its own state
+    file: last.ckpt must not pass for complete (it holds step 10's weights with a rank's RNG state and
+    loader position missing). resume="auto" skips it, naming why, and resumes the step-10 checkpoint
+    saved just before (epoch=1-step=10.ckpt): the batches and weights of the uninterrupted run."""
+    _ok(_run(tmp_path, "model_parallel_sync", "full"))
+    proc = _run(tmp_path, "model_parallel_sync", "tornstop", timeout=180)
+    assert proc.returncode != 0  # the run failed with its rank
+    last = tmp_path / "tornckpt" / "last.ckpt"
+    assert (last / "meta.pt").is_file() and (last / ".metadata").is_file()
+    assert sorted(p.name for p in (last / "lightning_sync").iterdir()) == ["expect-2-ranks", "rank0-of-2.pt"]
+    proc = _run(tmp_path, "model_parallel_sync", "tornresume")
+    _ok(proc)
+    assert (f"resume skips {last}: the per-rank state of rank(s) 1 is missing from {last / 'lightning_sync'}"
+            in proc.stderr), proc.stderr[-3000:]
+    assert f"resume: resuming from {tmp_path / 'tornckpt' / 'epoch=1-step=10.ckpt'}" in proc.stderr  # 7 steps an epoch
+    full, resumed = _reports(tmp_path, "full"), _reports(tmp_path, "tornresume")
+    for r in range(2):
+        assert resumed[r]["steps"] == full[r]["steps"][10:], f"rank {r}"
+    a, b = torch.load(tmp_path / "full" / "full.pt"), torch.load(tmp_path / "tornresume" / "full.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)

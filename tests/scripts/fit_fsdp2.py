@@ -13,7 +13,11 @@ augmentation drawn in ``__getitem__``. ``guard``: rank 0 alone calls ``dist.all_
 ``autostop`` / ``autoresume``: as ``stop`` / ``resume`` with ``resume="auto"`` (checkpoints in
 OUT/autockpt; the resumed run gets no ``ckpt_path``). ``callbacks``: fit with ``ValidationGather`` (1001 validation samples) and ``ParameterConsistencyCheck``,
 then ``trainer.predict`` with a ``PredictionWriter`` (OUT/callbacks/preds.parquet). ``drift``: as
-``callbacks``, with a buffer that rank 0 alone updates.
+``callbacks``, with a buffer that rank 0 alone updates. ``preempt`` (ranks started as ``srun`` starts
+them, under a SLURM environment the test sets): rank r sends itself SLURM's requeue signal inside
+step 6 + r, stopped 3 steps later; Lightning's requeue checkpoint is OUT/preempt/hpc_ckpt_1.ckpt.
+``requeued``: resumed from it. ``tornstop``: as ``autostop`` (checkpoints in OUT/tornckpt), rank 1 dying
+inside step 10's overwrite of last.ckpt; ``tornresume``: ``resume="auto"`` over OUT/tornckpt.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_sync as ls
+
+PREEMPT_STEP = 6  # preempt: SIGUSR1 inside global step 6 on rank 0, 7 on rank 1
 
 
 class Points(Dataset):
@@ -66,6 +73,7 @@ class Model(L.LightningModule):
         self.steps: list[list[Any]] = []
         self.mse = torchmetrics.MeanSquaredError()
         self.bad_step = bad_step
+        self.usr1_at = -1  # rank r sends itself SLURM's requeue signal (SIGUSR1) inside global step usr1_at + r
 
     def configure_model(self) -> None:
         if hasattr(self, "net"):  # called again by a later trainer call
@@ -77,6 +85,8 @@ class Model(L.LightningModule):
         fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.usr1_at >= 0 and self.global_step == self.usr1_at + self.global_rank:
+            os.kill(os.getpid(), signal.SIGUSR1)  # the ranks see SLURM's signal at different steps
         if self.global_step == self.bad_step and self.global_rank == 0:
             if self.bad_log:  # a metric synced on rank 0 only
                 self.log("rank0_only", torch.ones(()), sync_dist=True)
@@ -104,6 +114,21 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+def die_while_overwriting_last(strategy: Any) -> None:
+    """Rank 1 dies inside step 10's overwrite of last.ckpt: the shards and meta.pt are written, its own
+    state file is not (the fault is injected around the checkpoint part's hook; nothing else is replaced)."""
+    part = strategy.part(ls.parts.CheckpointStatePart)
+    after = part.after_save_checkpoint
+
+    def dying(owner: Any, directory: Path | None) -> None:
+        if (directory is not None and directory.name == "last.ckpt" and owner.global_rank == 1
+                and owner.lightning_module.global_step == 10):
+            os._exit(3)
+        after(owner, directory)
+
+    part.after_save_checkpoint = dying
+
+
 def report(out: Path, trainer: L.Trainer, model: Model, **extra: Any) -> None:
     out.mkdir(parents=True, exist_ok=True)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -119,7 +144,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--strategy", default="model_parallel_sync")
-    p.add_argument("--phase", required=True, choices=["eval", "full", "stop", "resume", "guard", "callbacks", "drift", "autostop", "autoresume", "guardlog"])
+    p.add_argument("--phase", required=True, choices=["eval", "full", "stop", "resume", "guard", "callbacks", "drift", "autostop", "autoresume", "guardlog",
+                                                    "preempt", "requeued", "tornstop", "tornresume"])
     p.add_argument("--accelerator", default="cpu", help="gpu: the tests' gpu tier (one process per GPU)")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05, help="SGD's (one rank's batches alone need a smaller one)")
@@ -131,22 +157,27 @@ def main() -> None:
     kwargs: dict[str, Any] = {"data_parallel_size": args.devices, "tensor_parallel_size": 1}
     if sync:
         kwargs.update(seed=1234, guard_timeout=10)
-    if args.phase in ("resume", "autoresume") and sync:
+    if args.phase in ("resume", "autoresume", "requeued", "tornresume") and sync:
         kwargs.pop("seed")  # the checkpoint's root seed is adopted
-    if args.phase.startswith("auto") and sync:
+    if (args.phase.startswith("auto") or args.phase == "tornresume") and sync:
         kwargs["resume"] = "auto"
     strategy = (ls.SyncModelParallelStrategy(**kwargs) if sync
                 else L.pytorch.strategies.ModelParallelStrategy(**kwargs))
     callbacks: list[L.Callback] = []
     max_steps, ckpt = -1, None
-    if args.phase in ("stop", "autostop"):
+    if args.phase in ("stop", "autostop", "tornstop"):
         max_steps = 10
-    if args.phase in ("stop", "autostop", "autoresume"):
-        where = args.out / "autockpt" if args.phase.startswith("auto") else out
+    if args.phase in ("stop", "autostop", "autoresume", "tornstop", "tornresume"):
+        where = (args.out / "autockpt" if args.phase.startswith("auto") else
+                 args.out / "tornckpt" if args.phase.startswith("torn") else out)
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=where, every_n_train_steps=5, save_top_k=-1,
                                                              save_last=True))
     if args.phase == "resume":
         ckpt = str(args.out / "stop" / "last.ckpt")
+    if args.phase == "preempt":  # under a SLURM environment (the test sets one): Lightning's requeue handler
+        max_steps = PREEMPT_STEP + 3
+    if args.phase == "requeued":
+        ckpt = str(args.out / "preempt" / "hpc_ckpt_1.ckpt")
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_epochs=3,
                         max_steps=max_steps,
                         logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
@@ -154,6 +185,9 @@ def main() -> None:
                         default_root_dir=out)
     model = Model(bad_step=2 if args.phase.startswith("guard") else -1, lr=args.lr, drift=args.phase == "drift",
                   bad_log=args.phase == "guardlog")
+    model.usr1_at = PREEMPT_STEP if args.phase == "preempt" else -1
+    if args.phase == "tornstop":
+        die_while_overwriting_last(strategy)
     if args.phase in ("callbacks", "drift"):
         callbacks_phase(args, out, model, kwargs, sync)
         return
@@ -171,7 +205,11 @@ def main() -> None:
             raise
         return
     trainer.fit(model, loader, ckpt_path=ckpt)
-    report(out, trainer, model, global_step=trainer.global_step)
+    part = trainer.strategy.part(ls.parts.RequeuePart) if sync else None
+    requeue = part.requeue if part is not None else None
+    report(out, trainer, model, global_step=trainer.global_step, requeue_checkpoints=getattr(requeue, "handled", 0))
+    if args.phase in ("preempt", "requeued"):  # ranks started as srun does: all written before any exits
+        trainer.strategy.barrier("reports-written")
 
 
 def callbacks_phase(args: argparse.Namespace, out: Path, model: Model, kwargs: dict[str, Any], sync: bool) -> None:

@@ -14,7 +14,6 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_sync._compat.lightning_api import PathLike, StrategyRegistryType, saves_distributed_checkpoint
-from lightning_sync.checkpoint_io import invalidate_sharded_checkpoint
 from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.parts.mixin import SyncStrategyMixin
 from lightning_sync.parts.defaults import default_parts
@@ -66,14 +65,10 @@ class SyncModelParallelStrategy(SyncStrategyMixin, ModelParallelStrategy):
     @override
     def sharded_checkpoint_directory(self, path: PathLike, saving: bool) -> Path | None:
         if saving:  # Lightning writes a DCP directory at rank 0's path (broadcast inside its save_checkpoint)
-            if not saves_distributed_checkpoint(self):
-                return None
-            if self.global_rank == 0:
-                invalidate_sharded_checkpoint(Path(path))
             # This rank's own path, not broadcast again (a broadcast costs a guarded round trip per save: 8
             # ranks measured 1.4x slower with it). A rank whose path differs from rank 0's leaves its file
             # out of the checkpoint (then incomplete), or in another one (its global step is checked on load).
-            return Path(path)
+            return Path(path) if saves_distributed_checkpoint(self) else None
         local = Path(path)
         return local if local.is_dir() else None
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from lightning_sync.checkpoint_io import RANK_FILES, atomic_save, expect_rank_files, rank_file
+from lightning_sync.checkpoint_io import (RANK_FILES, atomic_save, expect_rank_files, invalidate_sharded_checkpoint,
+                                         rank_file)
 from lightning_sync.errors import ResumeError
 from lightning_sync.parts.base import Part
 from lightning_sync.parts.data import ResumableDataPart
@@ -35,6 +36,10 @@ class CheckpointStatePart(Part):
 
     def on_save_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], directory: Path | None) -> None:
         self._to_write = None
+        if directory is not None and strategy.global_rank == 0:
+            # before the save's first collective: a save over an existing sharded checkpoint that is cut
+            # short must not leave it looking complete (its completion marks and rank files go first)
+            invalidate_sharded_checkpoint(directory)
         seed = strategy.part(SeedLineagePart)
         if seed is None or seed.lineage is None:
             return

@@ -32,6 +32,7 @@ import contextlib
 import contextvars
 import copy
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -63,7 +64,10 @@ EXCLUDE_ATTR = "sync_batchnorm"
 _ORIGINAL_CLASS = "_lsync_original_class"
 _ORIGINAL_GROUP = "_lsync_original_process_group"
 _SEEN_NDIM = "_lsync_seen_ndim"
-_CHECKED_GROUP = "_lsync_checked_group"  # the group this layer's metadata was last compared over
+# layer -> the group its metadata was last compared over (a weak reference). Kept outside the layer: a
+# ProcessGroup cannot be pickled, and converted models are (torch.save of the modules that
+# save_hyperparameters records, copy.deepcopy by EMA/SWA callbacks). A copy compares again when it trains.
+_CHECKED_GROUPS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 _MISSING = object()
 _M = TypeVar("_M", bound=nn.Module)
 # Inside joined_step: whether this rank's batch is a stand-in (None: an ordinary step).
@@ -338,7 +342,8 @@ class SyncBatchNorm(BatchNormBase):
 
         After that, a refused input on one rank is signalled inside the statistics exchange itself, so
         the steady state costs no extra collective."""
-        if self.__dict__.get(_CHECKED_GROUP) is group and group is not None:
+        checked = _CHECKED_GROUPS.get(self)
+        if checked is not None and checked() is group and group is not None:
             portable = self._device().type != "cuda" or "gloo" in str(dist.get_backend(group)).lower()
             if problem is not None and portable:  # join this step's statistics exchange with a flag, then explain
                 flag = torch.full((2 * self.num_features + 1,), -1.0, dtype=torch.float64, device=self._device())
@@ -366,7 +371,8 @@ class SyncBatchNorm(BatchNormBase):
             if len(set(values.values())) > 1:
                 raise RankMismatchError(f"SyncBatchNorm: {what} differs across ranks: {format_ranks(values)}. {fix}",
                                         values)
-        self.__dict__[_CHECKED_GROUP] = group
+        if group is not None:
+            _CHECKED_GROUPS[self] = weakref.ref(group)
 
     def _device(self) -> torch.device:
         for t in (self.weight, self.running_mean):
@@ -535,8 +541,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         if cls is None:
             cls = _BY_NDIM.get(module.__dict__.get(_SEEN_NDIM, 0), _BatchNormXd)
         original_group: Any = module.__dict__.get(_ORIGINAL_GROUP, _MISSING)
-        out = _clone_into(cls, module, drop=(_ORIGINAL_CLASS, _ORIGINAL_GROUP, _SEEN_NDIM, _CHECKED_GROUP,
-                                                    "process_group"))
+        out = _clone_into(cls, module, drop=(_ORIGINAL_CLASS, _ORIGINAL_GROUP, _SEEN_NDIM, "process_group"))
         if original_group is not _MISSING:
             out.__dict__["process_group"] = original_group
     for child_name, child in list(out._modules.items()):

@@ -458,3 +458,30 @@ def _session(world: int) -> list[dict[str, Any]]:
     if isinstance(result, BaseException):
         raise result
     return result
+
+
+def _pickle_after_training(rank: int, world: int) -> dict[str, Any]:
+    import copy
+    import io
+
+    from lightning_sync import convert_sync_batchnorm
+
+    torch.manual_seed(0)
+    model = convert_sync_batchnorm(nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1)))
+    x = torch.randn(8, 4) + rank
+    model(x).sum().backward()  # the first distributed forward compares every rank's input metadata
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # as save_hyperparameters' modules are, in every checkpoint
+    twin = copy.deepcopy(model)  # as EMA / SWA callbacks copy a model
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    out = [m(x).detach() for m in (model, twin, loaded)]  # the copies train alike (they compare again first)
+    return {"same": all(torch.equal(out[0], o) for o in out[1:]),
+            "stats": [float(m[1].running_mean.sum()) for m in (model, twin, loaded)]}
+
+
+def test_converted_model_pickles_and_deep_copies_after_a_distributed_forward() -> None:
+    """lightning-hydra-template's checkpoint failed here: the layer held the ProcessGroup it had checked
+    its inputs over, and a ProcessGroup cannot be pickled ("cannot pickle ...ProcessGroup object")."""
+    for res in run_ranks(_pickle_after_training, 2, timeout=60):
+        assert res["same"] and len(set(res["stats"])) == 1, res

@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.torch_api import raise_group_count
 
-__all__ = ["ENTRY_MODULE_ENV", "HydraDDPLauncher", "finish_job", "hydra_active", "rank_command"]
+__all__ = ["ENTRY_MODULE_ENV", "HydraDDPLauncher", "finish_job", "hydra_active", "mark_job_failed", "rank_command"]
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +91,20 @@ class _Job:
     output_dir: str
     procs: list[subprocess.Popen[bytes]]
     saved_env: dict[str, str | None] = field(default_factory=dict)
+    #: the list Lightning's process observer watches (the launcher's ``procs``): emptied before the ranks
+    #: are reaped here, or the observer would SIGKILL this process, and the rest of a sweep with it
+    observed: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    failed: bool = False  #: rank 0 raised in this job (mark_job_failed)
 
 
 _active: _Job | None = None  # the job whose ranks this process started and has not reaped yet
+
+
+def mark_job_failed() -> None:
+    """Rank 0's trainer call raised: when the job's ranks are reaped (``finish_job``, or the next job's launch)
+    they get 10 s, then are killed, and the sweep goes on with its next job (as under Lightning's ``ddp``)."""
+    if _active is not None:
+        _active.failed = True
 
 
 def finish_job(timeout: float = 120.0, failed: bool = False) -> None:
@@ -109,6 +120,8 @@ def finish_job(timeout: float = 120.0, failed: bool = False) -> None:
     job, _active = _active, None
     if job is None:
         return
+    failed = failed or job.failed
+    job.observed.clear()  # this process reaps the ranks now: Lightning's observer stops at its next turn
     problems = []
     try:
         for rank, proc in enumerate(job.procs, start=1):
@@ -138,7 +151,8 @@ class HydraDDPLauncher(_compat.SubprocessScriptLauncher):
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         global _active
         if _active is not None and _active.output_dir != _current_output_dir():
-            finish_job()  # a job that ended without finish_job(): reap it before starting the next
+            finish_job()  # a job that ended without finish_job(): reap it before starting the next (after a
+            # failure on rank 0, mark_job_failed: its ranks are killed after 10 s and nothing is raised)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if self.cluster_environment.creates_processes_externally:
             if "LSYNC_GLOBAL_RANK" not in os.environ:  # ranks of torchrun/srun, not ours
@@ -146,7 +160,7 @@ class HydraDDPLauncher(_compat.SubprocessScriptLauncher):
         else:
             saved = {key: os.environ.get(key) for key in _LAUNCH_ENV}
             self._call_children_scripts()
-            _active = _Job(_current_output_dir(), list(self.procs), saved)
+            _active = _Job(_current_output_dir(), list(self.procs), saved, observed=self.procs)
             _compat.launch_process_observer(self.procs)
         _compat.set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)

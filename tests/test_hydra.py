@@ -358,3 +358,21 @@ def test_mistyped_keys_get_the_projects_config_error(args: list[str], expected: 
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode not in (0, 124) and f"lsync-train: config error: {expected}" in proc.stderr, proc.stderr
     assert "is not in struct" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_job_failing_on_rank_0_ends_its_ranks_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    """A user's own @hydra.main script swept with -m (lightning-hydra-template's way): job 0 raises on rank 0
+    alone, leaving rank 1 in DDP's all-reduce. Its ranks are reaped when job 1 starts (10 s, then killed),
+    without Lightning's process observer SIGKILLing the sweep: job 1 runs, and Hydra reports job 0's error.
+    (Before: rank 1 was waited for 120 s, then killed, and the observer killed the sweep with it.)"""
+    script = Path(__file__).parent / "scripts" / "hydra_user_sweep.py"
+    sweep = tmp_path / "sweep"
+    proc = lsync_train("-m", "+strategy=ddp_sync", "+fail=true,false", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+                       exe=[sys.executable, str(script)], timeout=240)
+    assert proc.returncode == 1, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "RuntimeError: rank 0 fails in this job" in proc.stderr
+    assert not (sweep / "0" / "done.json").exists()
+    assert json.loads((sweep / "1" / "done.json").read_text()) == {"fail": False, "step": 4}
+    assert not leftovers(str(tmp_path)), leftovers(str(tmp_path))

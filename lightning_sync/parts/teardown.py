@@ -37,6 +37,11 @@ class TeardownPart(Part):
         # Every rank raises UnevenEvaluationError at the same point: the group is healthy, tear down cleanly
         # (a peer that skipped the barrier could re-join the next run's rendezvous on the old store).
         strategy._failed = not isinstance(exception, UnevenEvaluationError)
+        if strategy._failed and strategy.global_rank == 0:
+            from lightning_sync.launcher import HydraDDPLauncher, mark_job_failed
+
+            if isinstance(strategy.launcher, HydraDDPLauncher):  # a Hydra job: its ranks go when it is reaped
+                mark_job_failed()
         lost = lost_peer_message(exception, self.peers, strategy.global_rank)
         if lost:  # gloo only names an address: say which rank(s) that is
             log.error("lightning_sync: %s", lost)

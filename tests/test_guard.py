@@ -75,6 +75,17 @@ def _same_op_other_line(rank: int, world: int) -> None:
             dist.all_reduce(value)  # ... summed with "accuracy" on rank 1: same shape, silently wrong
 
 
+def _subgroup_other_line_last(rank: int, world: int) -> None:
+    group = dist.new_group(list(range(world)))  # a subgroup stream of its own (all ranks, not the world)
+    with CollectiveGuard(timeout=10):
+        dist.all_reduce(torch.ones(1))
+        value = torch.ones(1)
+        if rank == 0:
+            dist.all_reduce(value, group=group)  # the block's last collectives differ: only the closing
+        else:
+            dist.all_reduce(value, group=group)  # check at its end can report them
+
+
 def _missing(rank: int, world: int, log_dir: str) -> None:
     stream = open(os.path.join(log_dir, f"rank{rank}.log"), "w")  # noqa: SIM115 - closed below
     guard = CollectiveGuard(timeout=2, stream=stream)
@@ -170,6 +181,11 @@ def test_rank_zero_only_collective_names_both_call_sites() -> None:
 
 def test_same_collective_from_different_lines_is_caught() -> None:
     for text in _errors(run_ranks(_same_op_other_line, 2, timeout=60, expect_failure=True)):
+        assert "CollectiveMismatchError" in text and "call sites differ" in text
+
+
+def test_a_subgroups_last_collectives_from_different_lines_are_caught_at_the_end() -> None:
+    for text in _errors(run_ranks(_subgroup_other_line_last, 2, timeout=60, expect_failure=True)):
         assert "CollectiveMismatchError" in text and "call sites differ" in text
 
 

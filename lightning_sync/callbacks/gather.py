@@ -146,6 +146,9 @@ class ValidationGather(pl.Callback):
         if self._detach is None:
             self._detach = attach_recorder(trainer, self)
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "")  # Lightning skips the teardown hooks after an exception
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         detach, self._detach = self._detach, None
         if detach is not None:

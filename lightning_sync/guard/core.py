@@ -246,9 +246,11 @@ class CollectiveGuard:
         """Every rank's world-stream sequence equal, known from one store exchange instead of the
         watchdog's turns (~7 ms a trainer call here); ``False`` when it cannot be shown.
 
-        Each rank posts its next seq, a digest of the fingerprints it still holds (the ring's last
-        ``capacity``, the closing one included) and how far its neighbour comparison got, then reads
-        everyone's. All equal, with everything older than the held ones already compared: agreed.
+        Each rank posts its next seq, a CRC32 of the fingerprints it still holds (the ring's last
+        ``capacity``, the closing one included), whether its subgroups' streams are all compared, and
+        how far its neighbour comparison got, then reads everyone's. All equal, every subgroup stream
+        compared, everything older than the held ones compared: agreed (a CRC collision, 2**-32, would
+        let a difference among the held ones pass).
         Anything else (a rank that skipped a collective, other metrics synced last, the store gone):
         ``False``, and the watchdog's comparison names the difference (:meth:`_wait_confirmed`). While
         it waits for a rank that has not arrived, the watchdog's failure is raised as in every check.
@@ -261,31 +263,36 @@ class CollectiveGuard:
         digest = 0
         for fp in held:
             digest = zlib.crc32("\x1f".join(fp.key(self.match_call_sites)).encode() + b"\x1e", digest)
-        mine = f"{seq},{len(held)},{digest},{monitor.verified('w')}"
+        # subgroups' streams are not in the digest: the fast path holds only when each is compared already
+        # (posted, so that every rank takes the same path)
+        others = int(all(monitor.verified(s) >= recorder.next_seq(s) - 1 for s in recorder.streams() if s != "w"))
+        mine = f"{seq},{len(held)},{digest},{others},{monitor.verified('w')}"
         self._closings += 1
         keys = [f"closing/{self._closings}/{r}" for r in range(dist.get_world_size())]
         store = exchange.store
         previous = recorder.enter("w")
         try:
             store.set(keys[self._rank], mine)
-            while True:
-                try:
-                    store.wait(keys, timedelta(seconds=self.interval))
-                    break
-                except RuntimeError:  # not every rank is here yet (or the store is gone)
-                    failure = self._failure()
-                    if failure is not None and not isinstance(failure, StoreLostError):
-                        raise failure from None
-                    if failure is not None or not monitor.running:
-                        return False  # the watchdog's path decides (a store host that left first is fine)
+            woken = 0.0
+            while not store.check(keys):  # non-blocking: the watchdog shares this store client
+                failure = self._failure()
+                if failure is not None and not isinstance(failure, StoreLostError):
+                    raise failure
+                if failure is not None or not monitor.running:
+                    return False  # the watchdog's path decides (a store host that left first is fine)
+                now = time.monotonic()
+                if now - woken > 0.01:  # keep the watchdog turning while this rank waits, as checks do
+                    monitor.wake()
+                    woken = now
+                time.sleep(0.002)
             rows = [[int(x) for x in bytes(v).decode().split(",")] for v in store.multi_get(keys)]
         except RuntimeError:
             return False  # the store stopped answering: the watchdog's path says why
         finally:
             if previous is None:
                 recorder.busy = None
-        return (all(row[:3] == rows[0][:3] for row in rows)
-                and min(row[3] for row in rows) >= seq - len(held) - 1)
+        return (all(row[:4] == rows[0][:4] for row in rows) and rows[0][3] == 1
+                and min(row[4] for row in rows) >= seq - len(held) - 1)
 
     def install(self, context: Callable[[], str | None] | None = None) -> None:
         """Start guarding: needs an initialised default process group; every rank must call it.
@@ -632,22 +639,11 @@ def _side_store(prefix: str, timeout: float) -> Any:
     while isinstance(inner, c10d.PrefixStore):
         inner = inner.underlying_store
     if isinstance(inner, c10d.TCPStore):
-        # The watchdog's own connection to the rendezvous server, with its own short timeout; one per
-        # default process group (a trainer call after fit installs the guard again on the same group)
-        key = (inner.host, inner.port, timeout)
-        group = dist.group.WORLD
-        cached = _side_clients.get(group)
-        if cached is None or cached[0] != key:
-            client = c10d.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout))
-            cached = _side_clients[group] = (key, client)
-        return c10d.PrefixStore(prefix, cached[1])
+        # The watchdog's own connection to the rendezvous server, with its own short timeout.
+        client = c10d.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=timeout))
+        return c10d.PrefixStore(prefix, client)
     return c10d.PrefixStore(prefix, base)
-
-
-# default process group -> (its store's address and the timeout, the watchdog's client of it); a new
-# group (destroyed and created again) gets a new client
-_side_clients: weakref.WeakKeyDictionary[Any, tuple[tuple[str, int, float], Any]] = weakref.WeakKeyDictionary()
 
 
 @atexit.register

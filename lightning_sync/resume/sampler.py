@@ -18,7 +18,7 @@ SAMPLER_NAME = "ResumableDistributedSampler"
 
 
 class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
-    """torch's ``DistributedSampler`` (same order, same shards) that can stop and resume mid-epoch.
+    """torch's ``DistributedSampler`` (same order and shards, up to 2**24 samples) that can stop and resume mid-epoch.
 
     The epoch is one global order: ``randperm(len(dataset))`` seeded with ``seed + epoch`` (or
     ``range`` without shuffling; above :data:`~lightning_sync.sampling.IN_MEMORY_SHUFFLE_MAX` samples

@@ -2,9 +2,9 @@
 
 Shared by :class:`~lightning_sync.ValidationGather` and :class:`~lightning_sync.PredictionWriter`.
 When Lightning prepares an evaluation or predict dataloader (after injecting its
-``DistributedSampler``), :func:`attach_recorder` re-creates it, as Lightning itself re-creates
-loaders, around a :class:`RecordingBatchSampler` that wraps the loader's batch sampler (the user's
-loader and sampler are never modified; Lightning's prediction index wrapper stays outermost). Batch
+``DistributedSampler``), :func:`attach_recorder` puts in its place a shallow copy whose batch sampler
+is a :class:`RecordingBatchSampler` wrapping the loader's own (same class, attributes and sampler;
+the user's loader is not modified; Lightning's prediction index wrapper stays outermost). Batch
 samplers run in the main process, in order, even with ``num_workers > 0``, so the index lists they
 yield form a queue (:class:`BatchLog`) that the ``on_*_batch_end`` hooks consume one batch at a time.
 A log may also drop batches before they are loaded (:meth:`BatchLog.accept`).
@@ -25,8 +25,8 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_sync._compat.lightning_api import (loop_dataloaders, observe_dataloaders, rebuild_dataloader,
-                                                  rewrap_index_batch_sampler, unwrap_index_batch_sampler)
+from lightning_sync._compat.lightning_api import (loop_dataloaders, observe_dataloaders, rewrap_index_batch_sampler,
+                                                  unwrap_index_batch_sampler, with_batch_sampler)
 
 __all__ = ["OUTPUT_KEY", "BatchLog", "Recorder", "RecordingBatchSampler", "Stage", "active_loaders", "attach_recorder"]
 
@@ -125,8 +125,8 @@ class Recorder:
     def install(self, loader: object) -> object:
         """Record the batches of ``loader``; returns the loader to use in its place.
 
-        That is a re-created copy around a :class:`RecordingBatchSampler` (or ``loader`` itself when it
-        already records, or cannot be recorded: :meth:`lookup` then says why).
+        That is a shallow copy drawing from a :class:`RecordingBatchSampler` (or ``loader`` itself when
+        it already records, or cannot be recorded: :meth:`lookup` then says why).
         """
         if not isinstance(loader, DataLoader):
             return loader  # a custom iterable: the *_step must return the indices itself
@@ -141,18 +141,12 @@ class Recorder:
             return loader
         recording = _recording_sampler(loader)
         if recording is None:
-            try:
-                if loader.batch_sampler is None:  # batch_size=None: the sampler yields one sample's index at a time
-                    recording = RecordingBatchSampler(loader.sampler)
-                    loader = rebuild_dataloader(loader, sampler=recording)
-                else:
-                    recording = RecordingBatchSampler(unwrap_index_batch_sampler(loader.batch_sampler))
-                    batch_sampler = rewrap_index_batch_sampler(loader.batch_sampler, recording)
-                    loader = rebuild_dataloader(loader, batch_sampler=batch_sampler)
-            except Exception as err:  # noqa: BLE001 - any re-creation failure: say why, keep the loader
-                self.logs[id(loader)] = (loader, f"it cannot be re-created around a recording batch sampler "
-                                                 f"({type(err).__name__}: {err})")
-                return loader
+            if loader.batch_sampler is None:  # batch_size=None: the sampler yields one sample's index at a time
+                recording = RecordingBatchSampler(loader.sampler)
+                loader = with_batch_sampler(loader, sampler=recording)
+            else:
+                recording = RecordingBatchSampler(unwrap_index_batch_sampler(loader.batch_sampler))
+                loader = with_batch_sampler(loader, rewrap_index_batch_sampler(loader.batch_sampler, recording))
         log = self.new_log()
         recording.logs.append(log)
         self._attached.append((recording, log))

@@ -447,7 +447,7 @@ def exact_eval_dataloader(dataloader: object, rank: int, world_size: int, predic
     if predicting:  # Lightning's prediction index tracking, holding only the batches its loop has not read
         in_flight = dataloader.num_workers * (dataloader.prefetch_factor or 2) if dataloader.num_workers else 0
         batch_sampler = _compat.index_batch_sampler(batch_sampler, window=in_flight + 16)
-    return _compat.rebuild_dataloader(dataloader, batch_sampler=batch_sampler)
+    return _compat.dataloader_with_batch_sampler(dataloader, batch_sampler)
 
 
 def evaluation_limit(trainer: Any) -> int | float | None:

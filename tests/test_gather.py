@@ -95,12 +95,22 @@ class _SlottedBatchSampler:
         return -(-self.n // self.size)
 
 
+class _TaggedLoader(DataLoader):  # type: ignore[type-arg]
+    """A user's DataLoader subclass with an argument it does not keep as an attribute (not re-creatable)."""
+
+    def __init__(self, dataset: Any, tag: str, **kwargs: Any) -> None:
+        self._tag = tag
+        super().__init__(dataset, **kwargs)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_recorder_queue_matches_batches_with_prefetch(workers: int) -> None:
     """Indices come from the batch sampler in the main process, in order, even with workers prefetching.
 
-    The recorder re-creates each loader around a recording batch sampler: the user's loader and its
-    samplers are left as they were (same objects, same classes), Lightning's index wrapper stays outermost."""
+    The recorder uses a shallow copy of each loader whose batch sampler records: the user's loader and its
+    samplers are left as they were, the copy keeps the class, the attributes and the sampler (nothing is
+    re-created, so a loader class that cannot be re-created records too), Lightning's index wrapper stays
+    outermost."""
     from lightning.fabric.utilities.data import _replace_dunder_methods
 
     data = list(range(23))
@@ -110,13 +120,15 @@ def test_recorder_queue_matches_batches_with_prefetch(workers: int) -> None:
                DataLoader(data, batch_sampler=_IndexBatchSamplerWrapper(BatchSampler(SequentialSampler(data), 5, True))),
                DataLoader(data, batch_sampler=_SlottedBatchSampler(23, 6), num_workers=workers),
                DataLoader(data, batch_size=None, num_workers=workers),  # no batch sampler: one index per item
-               positional]
+               positional,
+               _TaggedLoader(data, "t", batch_size=4, num_workers=workers)]
     recorder = _Recorder()
     recorded = []
     for loader in loaders:
         before, sampler_before = loader.batch_sampler, loader.sampler
         new = recorder.install(loader)
         assert new is not loader and loader.batch_sampler is before and loader.sampler is sampler_before
+        assert type(new) is type(loader) and (new.sampler is loader.sampler or loader.batch_sampler is None)
         assert recorder.install(new) is new  # already recording: kept
         assert isinstance(recorder.lookup(loader), str)  # the user's own loader is not the one recorded
         log = recorder.lookup(new)

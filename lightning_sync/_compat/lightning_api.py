@@ -40,9 +40,10 @@ __all__ = [
 
 
     "FIT_IMPL_NAME",
+    "dataloader_with_batch_sampler",
     "observe_dataloaders",
-    "rebuild_dataloader",
     "rewrap_index_batch_sampler",
+    "with_batch_sampler",
     "ddp_kwargs",
     "own_checkpoint_io",
     "set_own_checkpoint_io",
@@ -271,31 +272,42 @@ def rewrap_index_batch_sampler(outer: Any, inner: Any) -> Any:
     return inner
 
 
-def rebuild_dataloader(dataloader: Any, batch_sampler: Any = None, sampler: Any = None) -> Any:
-    """A copy of ``dataloader`` (its class and arguments, as Lightning re-creates loaders) with ``batch_sampler``.
-
-    With ``sampler`` instead, the copy keeps the loader's batching (``batch_size=None`` loaders, which
-    have no batch sampler) and draws its indices from ``sampler``. The user's loader is not modified.
-    """
+def dataloader_with_batch_sampler(dataloader: Any, batch_sampler: Any) -> Any:
+    """A copy of ``dataloader`` (its class and arguments, as Lightning re-creates loaders) with ``batch_sampler``."""
     import copy
 
     from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
     from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 
-    # read the arguments from a copy without its batch sampler: Lightning would otherwise re-create a
-    # custom batch sampler (or refuse one) only for it to be replaced here
-    probe = copy.copy(dataloader)
-    object.__setattr__(probe, "batch_sampler", None)  # DataLoader refuses the assignment after __init__
-    args, kwargs = _get_dataloader_init_args_and_kwargs(probe, sampler if sampler is not None else dataloader.sampler)
-    # arguments the hook's DataLoader(...) call gave by position become keywords, so the batching
-    # arguments set below cannot be given twice (Lightning's own predict re-creation fails on
-    # DataLoader(dataset, 32) made in a *_dataloader hook: "got multiple values for argument 'batch_size'")
-    names = tuple(getattr(dataloader, "__pl_saved_arg_names", ()))[:len(args)]
-    kwargs = {**dict(zip(names, args)), **kwargs}
-    args = tuple(args[len(names):])
-    if batch_sampler is not None:
-        kwargs.update(sampler=None, shuffle=False, batch_sampler=batch_sampler, batch_size=1, drop_last=False)
+    inner = unwrap_index_batch_sampler(dataloader.batch_sampler)
+    if inner is not dataloader.batch_sampler:
+        # Lightning's prediction loader (its own copy) wraps a plain BatchSampler; let the re-instantiation see
+        # the plain one, which it knows how to handle (DataLoader refuses attribute assignment after __init__)
+        dataloader = copy.copy(dataloader)
+        object.__setattr__(dataloader, "batch_sampler", inner)
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, inner.sampler)
+    kwargs.update(sampler=None, shuffle=False, batch_sampler=batch_sampler, batch_size=1, drop_last=False)
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def with_batch_sampler(dataloader: Any, batch_sampler: Any = None, sampler: Any = None) -> Any:
+    """A shallow copy of ``dataloader`` drawing its batches from ``batch_sampler`` (a loader without one,
+    ``batch_size=None``: its indices from ``sampler``).
+
+    Nothing is re-created: the copy keeps the loader's class, every attribute (``.sampler`` too) and the
+    arguments Lightning recorded in a ``*_dataloader`` hook, so later re-creations work as on the
+    original. The user's loader is not modified. DataLoader refuses these assignments after
+    ``__init__`` (a running iterator would not see them): the copy has no iterator yet.
+    """
+    import copy
+
+    out = copy.copy(dataloader)
+    object.__setattr__(out, "_iterator", None)
+    if batch_sampler is not None:
+        object.__setattr__(out, "batch_sampler", batch_sampler)
+    if sampler is not None:
+        object.__setattr__(out, "sampler", sampler)
+    return out
 
 
 def observe_dataloaders(strategy: Any, observer: Any) -> Any:

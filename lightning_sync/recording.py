@@ -161,7 +161,7 @@ class Recorder:
         return entry[1]
 
     def uninstall(self) -> None:
-        """Stop recording: the re-created loaders pass their batches through unchanged from now on."""
+        """Stop recording: the loaders' copies pass their batches through unchanged from now on."""
         for recording, log in self._attached:
             recording.logs[:] = [other for other in recording.logs if other is not log]
         self._attached.clear()

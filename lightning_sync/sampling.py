@@ -162,10 +162,10 @@ class RandomPermutation:
         bits = max(2, (num - 1).bit_length())
         g = torch.Generator()
         g.manual_seed(seed)
-        self._keys = [np.uint64(int(k)) for k in torch.randint(0, 2**62, (self.ROUNDS,), generator=g)]
+        keys = [np.uint64(int(k)) for k in torch.randint(0, 2**62, (self.ROUNDS,), generator=g)]
         high, low = bits // 2, bits - bits // 2  # the part a round changes, the part it hashes
         self._rounds = []
-        for key in self._keys:
+        for key in keys:
             self._rounds.append((key, np.uint64((1 << low) - 1), np.uint64(low), np.uint64(high), np.uint64(64 - high)))
             high, low = low, high
 

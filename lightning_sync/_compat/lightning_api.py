@@ -668,9 +668,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("lightning.pytorch.LightningModule._trainer", "exact_eval: the trainer state before attaching",
                lambda: "_trainer" in vars(__import__("lightning.pytorch", fromlist=["LightningModule"]).LightningModule())),
     TouchPoint("lightning.pytorch.utilities.data._get_dataloader_init_args_and_kwargs, "
-               "lightning.fabric.utilities.data._reinstantiate_wrapped_cls, DataLoader.__pl_saved_arg_names, "
-               "_IndexBatchSamplerWrapper._batch_sampler, _DatasetSamplerWrapper._sampler",
-               "exact_eval and index recording: evaluation loaders re-created around another batch sampler",
+               "lightning.fabric.utilities.data._reinstantiate_wrapped_cls, _IndexBatchSamplerWrapper._batch_sampler, "
+               "_DatasetSamplerWrapper._sampler", "exact_eval: evaluation loaders re-cut with an exact batch sampler; "
+               "index recording: Lightning's index wrapper kept outermost",
                _exact_eval_names_fit),
     TouchPoint("lightning.pytorch.loops._TrainingEpochLoop._broadcast_sigterm_tensor (called by advance each step); "
                "Trainer._run registers signal handlers, then _run_stage calls strategy.barrier('run-stage')",

@@ -275,11 +275,8 @@ class CollectiveGuard:
             store.set(keys[self._rank], mine)
             woken = 0.0
             while not store.check(keys):  # non-blocking: the watchdog shares this store client
-                failure = self._failure()
-                if failure is not None and not isinstance(failure, StoreLostError):
-                    raise failure
-                if failure is not None or not monitor.running:
-                    return False  # the watchdog's path decides (a store host that left first is fine)
+                if self._failure() is not None or not monitor.running:
+                    return False  # the watchdog's path raises its failure (or accepts a store host that left first)
                 now = time.monotonic()
                 if now - woken > 0.01:  # keep the watchdog turning while this rank waits, as checks do
                     monitor.wake()

@@ -18,15 +18,15 @@ SAMPLER_NAME = "ResumableDistributedSampler"
 
 
 class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
-    """torch's ``DistributedSampler`` (same order and shards, up to 2**24 samples) that can stop and resume mid-epoch.
+    """torch's ``DistributedSampler`` (same order and shards up to 2**24 samples) that resumes mid-epoch.
 
     The epoch is one global order: ``randperm(len(dataset))`` seeded with ``seed + epoch`` (or
     ``range`` without shuffling; above :data:`~lightning_sync.sampling.IN_MEMORY_SHUFFLE_MAX` samples
     a :class:`~lightning_sync.sampling.RandomPermutation` of the same seed, computed as it is read:
     other batches than torch's sampler, no memory per sample). ``order`` says which; a checkpoint
-    keeps it, so a resumed run goes on with the order it started with. A *segment* of it, starting at global position ``start``, is padded
-    (or cut, with ``drop_last``) to a multiple of the world size and dealt out: rank ``r`` takes
-    positions ``start + r, start + r + W, ...``. After every rank took ``k`` samples, positions
+    keeps it, so a resumed run goes on with the order it started with. A *segment* of it, starting at
+    global position ``start``, is padded (or cut, with ``drop_last``) to a multiple of the world size
+    and dealt out: rank ``r`` takes positions ``start + r, start + r + W, ...``. After every rank took ``k`` samples, positions
     ``start .. start + k*W - 1`` are consumed. On the same world size a resumed sampler continues
     the same segment (bit-identical); on another one the rest of the epoch becomes a new segment
     starting at the first unconsumed position, so every remaining sample is seen once, plus at most

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
 from lightning_sync.peers import local_address
+from lightning_sync.ranks import free_port
 
 __all__ = ["Launch", "Problem", "detect_launch", "diagnose", "main"]
 
@@ -774,12 +775,6 @@ def _wait_keys_count(store: Store, key: str, count: int, timeout: float) -> None
 # no launcher: start the local ranks ourselves, as Lightning's subprocess launcher does
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
-
-
 def spawn_local(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``devices - 1`` copies of this command with LOCAL_RANK=1.., run local rank 0 here, reap all."""
     launch = detect_launch(dict(os.environ), args.devices, args.num_nodes)
@@ -794,7 +789,7 @@ def spawn_local(args: argparse.Namespace, argv: list[str]) -> int:
               "unset MASTER_ADDR (127.0.0.1).", file=sys.stderr)
         return 1
     os.environ["MASTER_ADDR"] = launch.master_addr
-    os.environ["MASTER_PORT"] = str(launch.master_port or _free_port())
+    os.environ["MASTER_PORT"] = str(launch.master_port or free_port())
     os.environ["NODE_RANK"] = str(launch.node_rank)
     os.environ["LOCAL_RANK"] = "0"
     os.environ["WORLD_SIZE"] = str(launch.local_world_size * launch.num_nodes)

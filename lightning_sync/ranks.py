@@ -1,10 +1,12 @@
-"""This process's rank as the launchers announce it, before any process group exists (no Hydra, no torch)."""
+"""This process's rank as the launchers announce it, before any process group exists, and a free port for
+one to come (no Hydra, no torch)."""
 
 from __future__ import annotations
 
 import os
+import socket
 
-__all__ = ["announced_global_rank"]
+__all__ = ["announced_global_rank", "free_port"]
 
 
 def announced_global_rank() -> int:
@@ -13,3 +15,10 @@ def announced_global_rank() -> int:
         if os.environ.get(key, "").isdigit():
             return int(os.environ[key])
     return 0
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the kernel's pick), for a store server to come."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])

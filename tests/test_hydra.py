@@ -376,3 +376,24 @@ def test_a_job_failing_on_rank_0_ends_its_ranks_and_the_sweep_goes_on(tmp_path: 
     assert not (sweep / "0" / "done.json").exists()
     assert json.loads((sweep / "1" / "done.json").read_text()) == {"fail": False, "step": 4}
     assert not leftovers(str(tmp_path)), leftovers(str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_call_after_fit_in_a_job_creates_its_group_on_a_fresh_port(tmp_path: Path) -> None:
+    """fit -> validate in one Hydra job (lightning-hydra-template's fit -> test(ckpt_path="best")): the
+    fit's group is destroyed (its ranks' job goes on), and rank 0 still holds an object referencing it, so
+    its old store server stays open. The validate's group is created on a port rank 0 picked before the
+    old group went: nobody dials the lingering server. (Before: same port, rank 1 reached the old server
+    after its 3 s wait and the guard's first broadcast failed, 'Connection reset by peer'; in the
+    template, with SyncBatchNorm, it hung.)"""
+    script = Path(__file__).parent / "scripts" / "hydra_user_sweep.py"
+    sweep = tmp_path / "sweep"
+    proc = lsync_train("-m", "+strategy=ddp_sync", "+fail=false", "+then_validate=true", f"hydra.sweep.dir={sweep}",
+                       cwd=tmp_path, exe=[sys.executable, str(script)], timeout=160)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    done = json.loads((sweep / "0" / "done.json").read_text())
+    assert done["step"] == 4 and done["val_loss"] > 0
+    fit_port, validate_port = done["ports"]
+    assert fit_port != validate_port
+    assert not leftovers(str(tmp_path)), leftovers(str(tmp_path))

@@ -68,6 +68,7 @@ __all__ = [
     "seen_batch_indices",
     "process_group_timeout",
     "set_launcher",
+    "set_main_port",
     "set_layer_sync",
     "set_num_threads_if_needed",
     "saves_distributed_checkpoint",
@@ -154,6 +155,25 @@ def _fit_impl_fits() -> bool:
 def set_launcher(strategy: DDPStrategy, launcher: Any) -> None:
     """Replace the launcher Lightning built (called from the strategy's ``_configure_launcher`` override)."""
     strategy._launcher = launcher
+
+
+def set_main_port(environment: Any, port: int) -> bool:
+    """Point the cluster environment (and ``MASTER_PORT``) at ``port`` for the next process group.
+    ``LightningEnvironment`` reads ``MASTER_PORT`` once and keeps it; False where the environment does
+    not report the new port afterwards (another kind: nothing changed for it)."""
+    import os
+
+    if not isinstance(getattr(environment, "_main_port", None), int):
+        return False
+    old_port, old_env = environment._main_port, os.environ.get("MASTER_PORT")
+    environment._main_port = port
+    os.environ["MASTER_PORT"] = str(port)
+    if environment.main_port == port:
+        return True
+    environment._main_port = old_port
+    if old_env is not None:
+        os.environ["MASTER_PORT"] = old_env
+    return False
 
 
 _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(DDPStrategy.load_checkpoint).parameters
@@ -592,6 +612,16 @@ def _training_results_fit() -> bool:
             and isinstance(getattr(type(_trainer()), "_results", None), property))
 
 
+def _main_port_fits() -> bool:
+    from lightning.fabric.plugins.environments.lightning import LightningEnvironment
+
+    env = LightningEnvironment()  # a throwaway one; os.environ untouched
+    if not isinstance(getattr(env, "_main_port", None), int):
+        return False
+    env._main_port = 29123
+    return env.main_port == 29123
+
+
 def _model_parallel_fits() -> bool:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -647,6 +677,8 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                and hasattr(_trainer().fit_loop, "_data_fetcher")),
     TouchPoint("lightning.fabric.strategies.launchers.subprocess_script._launch_process_observer",
                "Hydra launcher: the job ends when a rank dies", lambda: "child_processes" in _params(launch_process_observer)),
+    TouchPoint("lightning.fabric.plugins.environments.LightningEnvironment._main_port",
+               "Hydra launcher: a fresh port for each trainer call's process group", _main_port_fits),
     TouchPoint("lightning.fabric.utilities.distributed._set_num_threads_if_needed", "Hydra launcher: threads per rank",
                lambda: "num_processes" in _params(set_num_threads_if_needed)),
     TouchPoint("lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher (get_extra_results, "

@@ -14,6 +14,7 @@ from lightning_sync.collectives import _device_barrier
 from lightning_sync.errors import UnevenEvaluationError
 from lightning_sync.parts.base import Part
 from lightning_sync.peers import Peer, gather_peers, lost_peer_message
+from lightning_sync.ranks import free_port
 
 __all__ = ["TeardownPart", "destroy_at_exit", "destroy_default_group"]
 
@@ -69,7 +70,23 @@ class TeardownPart(Part):
                 gc.collect()
             env = strategy.cluster_environment
             assert env is not None
-            destroy_default_group(env.main_address, env.main_port)
+            moved = not strategy._failed and _move_to_fresh_port(env)
+            destroy_default_group(env.main_address, env.main_port, wait=0.0 if moved else 3.0)
+
+
+def _move_to_fresh_port(env: Any) -> bool:
+    """For ranks the Hydra launcher started (they live on for the job's next trainer call, which creates
+    a new group): rank 0 picks a free port and every rank's environment takes it, agreed over the group
+    before it goes. The next group's store is then a new server on a new port: no rank can dial the old
+    one while it is still closing (rank 0's teardown can outlast any fixed wait), nothing to wait for.
+    False where the environment keeps its own port (srun, torchrun's agent store: unchanged)."""
+    import os
+
+    if "LSYNC_GLOBAL_RANK" not in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return False  # every rank decides alike: all are ours, started with the same environment
+    port = [free_port() if dist.get_rank() == 0 else 0]  # rank 0 serves the store
+    dist.broadcast_object_list(port, src=0)
+    return _compat.set_main_port(env, int(port[0]))
 
 
 def keeps_process_group(strategy: Any) -> bool:

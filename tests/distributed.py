@@ -38,9 +38,18 @@ class RankFailure(AssertionError):
         self.errors = errors
 
 
+def _stacks_file(tmp: str, rank: int) -> str:
+    return os.path.join(tmp, f"rank{rank}.stacks")
+
+
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, args: Sequence[Any],
-           pg_timeout: float, queue: Any, init: bool, backend: str = "gloo") -> None:
+           pg_timeout: float, queue: Any, init: bool, backend: str = "gloo", stacks_after: float = 0.0) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if stacks_after > 0:  # a rank still running just before the parent kills it shows where it stood
+        import faulthandler
+
+        stacks = open(_stacks_file(os.path.dirname(init_file), rank), "w")  # noqa: SIM115 - open until exit
+        faulthandler.dump_traceback_later(stacks_after, file=stacks)
     try:
         import torch
         import torch.distributed as dist
@@ -87,8 +96,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] =
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, args, pg_timeout, queue, init, backend),
-                             daemon=True) for r in range(world_size)]
+        stacks_after = max(1.0, timeout - 2.0)
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, args, pg_timeout, queue, init, backend,
+                                                  stacks_after), daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()
         outcomes: dict[int, tuple[bool, Any]] = {}
@@ -115,11 +125,18 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] =
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    for r, p in enumerate(procs):
-        if r not in outcomes:
-            reason = (f"timed out after {timeout:.0f} s (killed)" if p.exitcode in (None, -9) and time.monotonic() >= deadline
-                      else f"died with exit code {p.exitcode}")
-            outcomes[r] = (False, reason)
+        for r, p in enumerate(procs):
+            if r not in outcomes:
+                reason = (f"timed out after {timeout:.0f} s (killed)" if p.exitcode in (None, -9)
+                          and time.monotonic() >= deadline else f"died with exit code {p.exitcode}")
+                try:
+                    with open(_stacks_file(tmp, r)) as f:
+                        stacks = f.read().strip()
+                except OSError:
+                    stacks = ""
+                if stacks:
+                    reason += f"; its Python stacks {stacks_after:.0f} s in:\n{stacks}"
+                outcomes[r] = (False, reason)
     outcomes = {r: (ok, pickle.loads(payload) if ok else payload) for r, (ok, payload) in outcomes.items()}
     if expect_failure:
         return [outcomes[r] for r in range(world_size)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import signal
 from pathlib import Path
@@ -124,6 +125,20 @@ def start_method(strategy: DDPStrategy) -> str:
 def saves_distributed_checkpoint(strategy: Any) -> bool:
     """Whether a ``ModelParallelStrategy`` writes sharded (DCP directory) checkpoints."""
     return bool(getattr(strategy, "_save_distributed_checkpoint", False))
+
+
+@functools.lru_cache(maxsize=None)
+def save_broadcasts_path_first() -> bool:
+    """Whether ``ModelParallelStrategy.save_checkpoint``'s first ``self.broadcast`` is rank 0's path, which
+    every rank then writes to (the sharded checkpoints' per-rank files follow it; read from its source)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    try:
+        source = inspect.getsource(ModelParallelStrategy.save_checkpoint)
+    except (OSError, TypeError):
+        return False
+    first = source.find("self.broadcast(")
+    return first >= 0 and source.startswith("self.broadcast(filepath)", first)
 
 
 def ddp_kwargs(strategy: DDPStrategy) -> dict[str, Any]:
@@ -654,6 +669,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "_save_distributed_checkpoint and _get_process_group_backend",
                "SyncModelParallelStrategy: the parts around the group's creation; sharded checkpoints' per-rank files",
                _model_parallel_fits),
+    TouchPoint("lightning.pytorch.strategies.ModelParallelStrategy.save_checkpoint (its first self.broadcast: "
+               "the path)", "sharded checkpoints: each rank's state file goes where rank 0's path says",
+               save_broadcasts_path_first),
     TouchPoint("DDPStrategy.load_checkpoint and TorchCheckpointIO.load_checkpoint (weights_only=...)",
                "resume: weights_only passed only where Lightning takes it (2.6.0 on)",
                lambda: _LOAD_CHECKPOINT_TAKES_WEIGHTS_ONLY == (LIGHTNING_VERSION >= Version("2.6.0"))

@@ -275,9 +275,27 @@ class SyncStrategyMixin:
         directory = self.sharded_checkpoint_directory(filepath, saving=True)
         for p in self._parts:  # called on every rank by trainer.save_checkpoint
             p.on_save_checkpoint(self, checkpoint, directory)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+        # A sharded save broadcasts rank 0's path first (_compat: ModelParallelStrategy.save_checkpoint) and
+        # writes there on every rank: the ranks' own files go there too, not to a path a rank computed for
+        # itself (Lightning's SLURM requeue names hpc_ckpt_<n+1> on each rank: a rank that looks after rank
+        # 0 created hpc_ckpt_<n+1> names the next one). Taken from that broadcast: no collective of our own.
+        agreed: list[Any] = []
+        self.__dict__["_save_path_broadcast"] = agreed
+        try:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+        finally:
+            self.__dict__.pop("_save_path_broadcast", None)
+        if directory is not None and agreed and _compat.save_broadcasts_path_first():
+            directory = self.sharded_checkpoint_directory(agreed[0], saving=True)
         for p in self._parts:
             p.after_save_checkpoint(self, directory)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        out = super().broadcast(obj, src)  # type: ignore[misc]
+        pending = self.__dict__.get("_save_path_broadcast")
+        if pending is not None and not pending:  # the first broadcast inside save_checkpoint: its path
+            pending.append(out)
+        return out
 
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning passes weights_only from 2.6.0 on; older ones have no such parameter.

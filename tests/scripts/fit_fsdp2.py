@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,12 @@ class Model(L.LightningModule):
             self.seen += len(idx)  # a buffer every rank updates alike (drift: rank 0 alone)
         self.steps.append([self.current_epoch, idx.tolist(), [round(float(a), 7) for a in aug]])
         return nn.functional.mse_loss(self.net(x), y)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.usr1_at >= 0 and self.global_step == self.usr1_at + 1 and self.global_rank == 1:
+            # rank 1 lags behind after the step's last collective, so rank 0 starts the agreed requeue save
+            # first (its path is where rank 1 must write too, whatever rank 1 then finds on disk)
+            time.sleep(1.0)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         _, x, _, y = batch

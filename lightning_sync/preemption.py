@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import signal
 import threading
-from contextlib import nullcontext
 from typing import Any, Callable
 
 import lightning as L
@@ -91,10 +90,13 @@ class DeferredRequeue(L.Callback):
         flags = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False))), int(self.requested)],
                              device=trainer.strategy.root_device)
         # One guarded operation of a known layout (int64[2] on every rank, from this line): the guard
-        # records it and skips the shape exchange it makes before a user's broadcast on gloo.
+        # records it and skips the shape exchange it makes before a user's broadcast on gloo (and, for
+        # FSDP2's confirm_first, runs it on a group of its own: CollectiveGuard.own_broadcast).
         guard = getattr(trainer.strategy, "guard", None)
         try:
-            with guard.guarded("step flags broadcast", "int64[2] src=0") if guard is not None else nullcontext():
+            if guard is not None:
+                guard.own_broadcast("step flags broadcast", "int64[2] src=0", flags)
+            else:
                 torch.distributed.broadcast(flags, src=0)
         except LightningSyncError:
             raise  # the collective guard's finding: not a reason to carry on as if nothing was sent

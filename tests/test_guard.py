@@ -166,6 +166,57 @@ def test_correct_program_passes_and_torch_is_restored() -> None:
     assert r0["agreed"] and r1["agreed"]  # (call sites that differ: test_same_collective_from_different_lines_is_caught)
 
 
+def _one_exchange(rank: int, world: int) -> dict:
+    """confirm_first's one-round-trip exchange (a small sync_dist value, checked and sent together) and the
+    step flags' own broadcast, against Lightning's reduction of the same values."""
+    from lightning.fabric.utilities.distributed import _sync_ddp
+
+    from lightning_sync.parts.mixin import _reduce_rows
+
+    differ = []
+    with CollectiveGuard(timeout=10, confirm_first=True) as guard:
+        for dtype in (torch.float32, torch.float64, torch.int64, torch.int32):
+            for op in ("mean", "avg", "sum", "max", "min", "product"):
+                value = (torch.arange(5) * (rank + 2) + rank + 1).to(dtype)  # exact in every order of summation
+                rows = guard.exchange("strategy.reduce", f"{dtype}[5] op={op}", value.clone())
+                assert rows is not None and rows.shape == (world, 5)
+                ours, theirs = _reduce_rows(value.clone(), rows, op), _sync_ddp(value.clone(), None, op)
+                if ours.dtype != theirs.dtype or not torch.equal(ours, theirs):
+                    differ.append(f"{dtype} {op}: {ours.tolist()} vs {theirs.tolist()}")
+        flags = torch.tensor([rank + 1, 7 * rank])
+        guard.own_broadcast("step flags broadcast", "int64[2] src=0", flags)
+        too_large = guard.exchange("strategy.reduce", "float32[15] op=sum", torch.zeros(15))  # 60 bytes
+        checks = guard.checks
+    outside = CollectiveGuard(confirm_first=True).exchange("strategy.reduce", "float32[] op=sum", torch.ones(()))
+    return {"differ": differ, "flags": flags.tolist(), "too_large": too_large, "outside": outside, "checks": checks}
+
+
+def _exchange_vs_other_call(rank: int, world: int) -> None:
+    with CollectiveGuard(timeout=10, confirm_first=True) as guard:
+        if rank == 0:
+            guard.exchange("strategy.reduce", "float32[] op=sum", torch.ones(()))
+        else:
+            dist.all_reduce(torch.ones(3))  # confirmed first: it meets rank 0's exchange on the guard's group
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_confirm_first_exchange_reduces_as_lightning_in_one_round_trip(world: int) -> None:
+    results = run_ranks(_one_exchange, world, timeout=90)
+    for r in results:
+        assert r["differ"] == [], r["differ"]
+        assert r["flags"] == [1, 0]  # rank 0's
+        assert r["too_large"] is None and r["outside"] is None  # not applicable: the caller's usual path
+    # one recorded collective per exchange, per Lightning reduction (its barrier + all_reduce: two) and the flags
+    assert {r["checks"] for r in results} == {4 * 6 * 3 + 1}
+
+
+def test_confirm_first_exchange_against_another_call_raises_on_every_rank() -> None:
+    start = time.monotonic()
+    for text in _errors(run_ranks(_exchange_vs_other_call, 2, timeout=60, expect_failure=True)):
+        assert "CollectiveMismatchError" in text and "strategy.reduce" in text and "all_reduce" in text
+    assert time.monotonic() - start < 40  # at once (guard timeout 10 s), not after it
+
+
 def _errors(outcomes: list) -> list[str]:
     assert all(not ok for ok, _ in outcomes), outcomes
     return [text for _, text in outcomes]

@@ -36,11 +36,16 @@ from lightning_sync.guard.intercept import Interceptor, group_backend
 from lightning_sync.guard.protocol import Exchange, stream_key
 from lightning_sync.guard.watchdog import Monitor, StoreLostError, dump_stacks
 
-__all__ = ["CollectiveGuard"]
+__all__ = ["SIDE_PAYLOAD", "CollectiveGuard"]
 
 _CLOSING = "end of guarded block"
 _LAYOUT_FIX = ("Pass tensors of one shape and dtype on every rank; for rows that differ in number per rank use "
                "lightning_sync.collectives.all_gather_uneven (gathers) or pad to a common length first.")
+#: Bytes every rank contributes to one exchange on ``confirm_first``'s own group: the call's token (8)
+#: and a payload of up to 56 bytes. One size for every exchange there, so that two ranks at different
+#: calls still pair on the wire (gloo aborts on a size mismatch) and find the difference in the tokens.
+_SIDE_BLOCK = 64
+SIDE_PAYLOAD = _SIDE_BLOCK - 8
 _generation = 0  # rank 0's count of installs (see install): keeps store keys apart
 _active: weakref.WeakSet[CollectiveGuard] = weakref.WeakSet()
 
@@ -130,8 +135,8 @@ class CollectiveGuard:
             there is nothing to sample (every collective is compared).
         interval: seconds between two turns of the watchdog (publish, compare, heartbeat).
         confirm_first: on gloo, before a checked collective's data moves, every rank's token of it
-            (op, shapes, call site) is compared in one 8-byte all-gather on a gloo group of the
-            guard's own. For programs whose other collectives the guard does not see (FSDP2's
+            (op, shapes, call site) is compared in one all-gather of 64 bytes a rank on a gloo group
+            of the guard's own (which also carries the strategy's own small exchanges: :meth:`exchange`). For programs whose other collectives the guard does not see (FSDP2's
             all-gathers and reduce-scatters, trusted): a check on the program's group, or a
             collective on one rank only, would pair on the wire with one of those, and gloo aborts
             the process on the size mismatch. A rank that never reaches the call is named after
@@ -159,6 +164,7 @@ class CollectiveGuard:
         self.interval = interval
         self.confirm_first = bool(confirm_first)
         self._side_group: Any = None  # confirm_first's own gloo group (made at install)
+        self._flags_group: Any = None  # and one for own_broadcast only
         self._closings = 0  # closing checks of this install (their store keys)
         self.context: Callable[[], str | None] | None = None
         self._recorder: Recorder | None = None
@@ -328,6 +334,7 @@ class CollectiveGuard:
         self._monitor.start()
         if self.confirm_first and self._side_group is None:
             self._side_group = dist.new_group(backend="gloo")  # every rank installs: a collective like the rest
+            self._flags_group = dist.new_group(backend="gloo")
         self._interceptor = Interceptor(self)
         self._interceptor.install()
         collectives.register_guard(self._collectives_hook, self._collectives_mismatch)
@@ -352,7 +359,8 @@ class CollectiveGuard:
             self._interceptor.uninstall()
             self._interceptor = None
         collectives.unregister_guard(self._collectives_hook)
-        self._side_group = None  # (not destroyed: a given-up exchange may still hold it; the default group's end ends it)
+        # (not destroyed: a given-up exchange may still hold them; the default group's end ends them)
+        self._side_group = self._flags_group = None
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
             monitor.leave()
@@ -412,25 +420,82 @@ class CollectiveGuard:
         if fp is not None:
             self._wait_confirmed(fp, op)
 
+    def exchange(self, op: str, match: str, payload: Tensor, group: Any = None) -> Tensor | None:
+        """One guarded collective that is checked and carries its data in a single round trip: with
+        ``confirm_first`` on gloo, every rank's token of the call and ``payload`` (at most
+        ``SIDE_PAYLOAD`` bytes, the same dtype and shape on every rank) are all-gathered together on the
+        guard's own group. Returns every rank's payload, ``[world, *payload.shape]`` in rank order (on
+        the CPU), after the tokens were compared (a mismatch raises on every rank, as a check does).
+
+        Returns ``None``, having recorded nothing, where it does not apply (the guard off or inside a
+        guarded operation, no ``confirm_first``, not on gloo, a subgroup, a payload too large or of bool
+        dtype); the caller then runs its usual guarded collective. The choice depends only on what the
+        token holds (op, dtype, shape) and on settings every rank shares, so every rank of a matching call
+        takes the same path, and ranks at different calls meet in the same 64-byte exchange and are
+        told apart by their tokens. For the strategy's own small exchanges (the step flags, a
+        ``self.log(sync_dist=True)`` value): one collective where a check and the call make two."""
+        side = self._side_group
+        if (side is None or self._depth or not self.confirm_first or not self.active
+                or not (group is None or group is dist.GroupMember.WORLD) or not _on_gloo(group)
+                or payload.dtype == torch.bool or payload.numel() * payload.element_size() > SIDE_PAYLOAD):
+            return None
+        fp = self._record(op, match, group, sys._getframe(1))
+        if fp is None:
+            return None
+        return self._side_exchange(fp, op, payload)
+
+    def own_broadcast(self, op: str, match: str, tensor: Tensor) -> None:
+        """The strategy's per-step broadcast from rank 0 (its step flags: one layout, ``match``, from one
+        call site), recorded as one guarded collective on the world's stream. With ``confirm_first`` it
+        runs on a gloo group of the guard's own that carries nothing else, so it can pair with no other
+        collective and needs no confirmation first (a check and the broadcast would make two round trips
+        a step): a rank that skipped it is found by the watchdog's comparison of the sequences, as under
+        ``ddp_sync``. Otherwise (and for a tensor not on the CPU) it is the guarded broadcast on the
+        world group."""
+        on_cpu = tensor.device.type == "cpu"
+        group = self._flags_group if on_cpu and self.confirm_first and self.active and not self._depth else None
+        if group is None:
+            with self.guarded(op, match):
+                dist.broadcast(tensor, src=0)
+            return
+        self._record(op, match, None, sys._getframe(1))
+        self._depth += 1  # run (waited for in slices) by the interceptor, not checked again
+        try:
+            dist.broadcast(tensor, src=0, group=group)
+        finally:
+            self._depth -= 1
+
     def _confirm(self, fp: Fingerprint, op: str, group: Any) -> None:
         """``confirm_first``: compare every rank's token of ``fp`` on the guard's own group before the call's
         data moves (subgroups: through the store, one watchdog turn). Raises on every rank on a mismatch."""
-        side = self._side_group
-        if side is None or not (group is None or group is dist.GroupMember.WORLD):
+        if self._side_group is None or not (group is None or group is dist.GroupMember.WORLD):
             self._wait_confirmed(fp, op)
             return
+        self._side_exchange(fp, op, None)
+
+    def _side_exchange(self, fp: Fingerprint, op: str, payload: Tensor | None) -> Tensor | None:
         token = zlib.crc32("\x1f".join(fp.key(self.match_call_sites)).encode()) or 1
         world = dist.get_world_size()
-        mine = torch.tensor([token], dtype=torch.int64)
-        every = torch.empty(world, dtype=torch.int64)
+        block = torch.zeros(_SIDE_BLOCK, dtype=torch.uint8)
+        block[:8] = torch.tensor([token], dtype=torch.int64).view(torch.uint8)
+        size = 0
+        if payload is not None:
+            raw = payload.detach().to("cpu").reshape(-1).contiguous().view(torch.uint8)
+            size = raw.numel()
+            block[8:8 + size] = raw
+        every = torch.empty(world * _SIDE_BLOCK, dtype=torch.uint8)
         self._depth += 1  # the exchange itself is not a user's collective
         try:
-            all_gather_single(every, mine, group=side)
+            all_gather_single(every, block, group=self._side_group)
         finally:
             self._depth -= 1
-        tokens = every.tolist()
+        rows = every.view(world, _SIDE_BLOCK)
+        tokens = rows[:, :8].contiguous().view(torch.int64).reshape(-1).tolist()
         if len(set(tokens)) > 1:
             raise self._collectives_mismatch(op, None, dict(enumerate(tokens)))
+        if payload is None:
+            return None
+        return rows[:, 8:8 + size].contiguous().view(payload.dtype).reshape(world, *payload.shape)
 
     def _wait_confirmed(self, fp: Fingerprint, op: str) -> None:
         """Block until the neighbouring rank's sequence confirms ``fp`` (or raise the guard's failure)."""

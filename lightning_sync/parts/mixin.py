@@ -50,6 +50,32 @@ def _all_reduce(tensor: Tensor, group: Any, reduce_op: Any) -> Tensor:
     world = dist.get_world_size(group)
     return tensor.copy_(tensor / world) if not torch.is_floating_point(tensor) else tensor.div_(world)
 
+#: ``reduce_op`` names whose result :func:`_reduce_rows` computes from every rank's row as the all_reduce would
+_ROW_REDUCTIONS = frozenset({"sum", "mean", "avg", "max", "min", "product"})
+
+
+def _reduce_rows(tensor: Tensor, rows: Tensor, op: str) -> Tensor:
+    """``_all_reduce``'s result from every rank's value (``rows``: ``[world, *tensor.shape]``, rank order),
+    written into ``tensor`` as the in-place all_reduce would ("mean": the sum divided by the world size,
+    integer tensors keeping their dtype). The sum is taken in rank order, the same on every rank; with
+    two ranks it is the all_reduce's bit for bit (``a + b``), with more the last bit may differ from
+    gloo's ring order."""
+    with torch.no_grad():  # as the all_reduce: in place, outside autograd
+        if op in ("sum", "mean", "avg"):
+            out = rows.sum(0, dtype=rows.dtype)
+        elif op == "max":
+            out = rows.amax(0)
+        elif op == "min":
+            out = rows.amin(0)
+        else:
+            out = rows.prod(0, dtype=rows.dtype)
+        tensor.copy_(out)
+        if op not in ("mean", "avg"):
+            return tensor
+        world = rows.shape[0]
+        return tensor.copy_(tensor / world) if not torch.is_floating_point(tensor) else tensor.div_(world)
+
+
 _P = TypeVar("_P", bound=Part)
 
 
@@ -170,6 +196,12 @@ class SyncStrategyMixin:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
         op = reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1].lower()
         match = f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(map(str, tensor.shape))}] op={op}"
+        if op.lower() in _ROW_REDUCTIONS and guard.guard.confirm_first and dist.get_world_size(group) > 1:
+            # confirm_first: a small value is checked and sent in one exchange (every rank's row), then
+            # reduced here, where a check and the all_reduce would make two round trips
+            rows = guard.guard.exchange("strategy.reduce", match, tensor, group)
+            if rows is not None:
+                return _reduce_rows(tensor, rows, op.lower())
         with guard.guarded("strategy.reduce", match, group) as confirmed:
             if confirmed and dist.get_world_size(group) > 1:
                 # Every rank's token of this call was compared before its data moves (confirm_first):

@@ -136,10 +136,11 @@ class CollectiveGuard:
         interval: seconds between two turns of the watchdog (publish, compare, heartbeat).
         confirm_first: on gloo, before a checked collective's data moves, every rank's token of it
             (op, shapes, call site) is compared in one all-gather of 64 bytes a rank on a gloo group
-            of the guard's own (which also carries the strategy's own small exchanges: :meth:`exchange`). For programs whose other collectives the guard does not see (FSDP2's
-            all-gathers and reduce-scatters, trusted): a check on the program's group, or a
-            collective on one rank only, would pair on the wire with one of those, and gloo aborts
-            the process on the size mismatch. A rank that never reaches the call is named after
+            of the guard's own (which also carries the strategy's small values: :meth:`exchange`).
+            For programs whose other collectives the guard does not see (FSDP2's all-gathers and
+            reduce-scatters, trusted): a check on the program's group, or a collective on one rank
+            only, would pair on the wire with one of those, and gloo aborts the process on the size
+            mismatch. A rank that never reaches the call is named after
             ``timeout``. The default (False) compares shapes with one small exchange on the call's
             own group.
     """
@@ -432,8 +433,9 @@ class CollectiveGuard:
         dtype); the caller then runs its usual guarded collective. The choice depends only on what the
         token holds (op, dtype, shape) and on settings every rank shares, so every rank of a matching call
         takes the same path, and ranks at different calls meet in the same 64-byte exchange and are
-        told apart by their tokens. For the strategy's own small exchanges (the step flags, a
-        ``self.log(sync_dist=True)`` value): one collective where a check and the call make two."""
+        told apart by their tokens. For the strategy's own small values (a ``self.log(sync_dist=True)``
+        value): one collective where a check and the call make two. ``match`` must name the payload's
+        dtype and shape."""
         side = self._side_group
         if (side is None or self._depth or not self.confirm_first or not self.active
                 or not (group is None or group is dist.GroupMember.WORLD) or not _on_gloo(group)

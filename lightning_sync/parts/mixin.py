@@ -45,9 +45,11 @@ def _all_reduce(tensor: Tensor, group: Any, reduce_op: Any) -> Tensor:
     else:
         op, mean = reduce_op, False
     dist.all_reduce(tensor, op=op, group=group)
-    if not mean:
-        return tensor
-    world = dist.get_world_size(group)
+    return _divide_by_world(tensor, dist.get_world_size(group)) if mean else tensor
+
+
+def _divide_by_world(tensor: Tensor, world: int) -> Tensor:
+    """A sum made a mean, in place, as Lightning's gloo ``mean`` does (integer tensors keep their dtype)."""
     return tensor.copy_(tensor / world) if not torch.is_floating_point(tensor) else tensor.div_(world)
 
 #: ``reduce_op`` names whose result :func:`_reduce_rows` computes from every rank's row as the all_reduce would
@@ -70,10 +72,7 @@ def _reduce_rows(tensor: Tensor, rows: Tensor, op: str) -> Tensor:
         else:
             out = rows.prod(0, dtype=rows.dtype)
         tensor.copy_(out)
-        if op not in ("mean", "avg"):
-            return tensor
-        world = rows.shape[0]
-        return tensor.copy_(tensor / world) if not torch.is_floating_point(tensor) else tensor.div_(world)
+        return _divide_by_world(tensor, rows.shape[0]) if op in ("mean", "avg") else tensor
 
 
 _P = TypeVar("_P", bound=Part)
@@ -196,14 +195,15 @@ class SyncStrategyMixin:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
         op = reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1].lower()
         match = f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(map(str, tensor.shape))}] op={op}"
-        if op.lower() in _ROW_REDUCTIONS and guard.guard.confirm_first and dist.get_world_size(group) > 1:
+        several = dist.get_world_size(group) > 1
+        if several and op.lower() in _ROW_REDUCTIONS:
             # confirm_first: a small value is checked and sent in one exchange (every rank's row), then
-            # reduced here, where a check and the all_reduce would make two round trips
+            # reduced here, where a check and the all_reduce would make two round trips (None: not applicable)
             rows = guard.guard.exchange("strategy.reduce", match, tensor, group)
             if rows is not None:
                 return _reduce_rows(tensor, rows, op.lower())
         with guard.guarded("strategy.reduce", match, group) as confirmed:
-            if confirmed and dist.get_world_size(group) > 1:
+            if confirmed and several:
                 # Every rank's token of this call was compared before its data moves (confirm_first):
                 # Lightning's barrier before the all_reduce, which pairs a rank-0-only self.log harmlessly
                 # elsewhere, would be one more round trip a step that checks nothing more.

@@ -27,7 +27,6 @@ import gc
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -149,7 +148,7 @@ def report(out: Path, trainer: L.Trainer, model: Model, **extra: Any) -> None:
                                                    "seed": getattr(trainer.strategy, "seed", None), **extra}))
 
 
-def main() -> None:
+def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--strategy", default="model_parallel_sync")
@@ -158,7 +157,10 @@ def main() -> None:
     p.add_argument("--accelerator", default="cpu", help="gpu: the tests' gpu tier (one process per GPU)")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05, help="SGD's (one rank's batches alone need a smaller one)")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main(args: argparse.Namespace) -> None:
     out = args.out / args.phase
     sync = args.strategy == "model_parallel_sync"
     torch.manual_seed(int(os.environ.get("LOCAL_RANK", 0)) + 11)  # ranks start apart
@@ -250,9 +252,9 @@ def callbacks_phase(args: argparse.Namespace, out: Path, model: Model, kwargs: d
 
 
 if __name__ == "__main__":
-    main()
-    if "--strategy" in sys.argv and sys.argv[sys.argv.index("--strategy") + 1] == "model_parallel" \
-            and torch.distributed.is_initialized():
+    arguments = parse()
+    main(arguments)
+    if arguments.strategy == "model_parallel" and torch.distributed.is_initialized():
         # Lightning's ModelParallelStrategy leaves its process group to interpreter exit, where gloo aborts
         # the process after a backward in some runs ("terminate called without an active exception",
         # exit -6: FINDINGS.md, seen once in CI here). The baseline ends as a careful user's script would;

@@ -251,8 +251,10 @@ class CollectiveGuard:
         if fp is None or recorder is None or self._closing_agreed():
             return
         self._wait_confirmed(fp, _CLOSING)
-        for stream in recorder.streams():  # and each subgroup's last collective: the world stream's
-            last = recorder.last(stream, 1)  # agreement says nothing of them (a subgroup test in CI)
+        # and each subgroup's last collective: a rank publishes its world stream before its subgroups',
+        # so the world stream compared says nothing of them
+        for stream in recorder.streams():
+            last = recorder.last(stream, 1)
             if stream != "w" and last:
                 self._wait_confirmed(last[0], _CLOSING, stream)
 

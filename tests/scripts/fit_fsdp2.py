@@ -23,7 +23,6 @@ inside step 10's overwrite of last.ckpt; ``tornresume``: ``resume="auto"`` over 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import signal
@@ -41,6 +40,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_sync as ls
+from _baseline_exit import end_baseline
 
 PREEMPT_STEP = 6  # preempt: SIGUSR1 inside global step 6 on rank 0, 7 on rank 1
 
@@ -254,11 +254,5 @@ def callbacks_phase(args: argparse.Namespace, out: Path, model: Model, kwargs: d
 if __name__ == "__main__":
     arguments = parse()
     main(arguments)
-    if arguments.strategy == "model_parallel" and torch.distributed.is_initialized():
-        # Lightning's ModelParallelStrategy leaves its process group to interpreter exit, where gloo aborts
-        # the process after a backward in some runs ("terminate called without an active exception",
-        # exit -6: FINDINGS.md, seen once in CI here). The baseline ends as a careful user's script would;
-        # model_parallel_sync runs are left to end by themselves (their clean exit is under test).
-        gc.collect()
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    if arguments.strategy == "model_parallel":
+        end_baseline()

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_sync as ls
+from _baseline_exit import end_baseline
 
 N = 24
 
@@ -99,7 +100,8 @@ class Report(L.Callback):
         Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
-def main() -> None:
+def main() -> str:
+    """Run the fit; return the strategy's name."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="ddp_sync")
@@ -131,7 +133,9 @@ def main() -> None:
     if args.then_validate:
         trainer.validate(model, loader, verbose=False)
         Path(args.out, f"validated{trainer.global_rank}").write_text("ok")
+    return args.strategy
 
 
 if __name__ == "__main__":
-    main()
+    if not main().startswith("ddp_sync"):
+        end_baseline()

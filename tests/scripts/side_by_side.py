@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_sync  # noqa: F401  (registers ddp_sync)
+from _baseline_exit import end_baseline
 
 SEED = 7
 
@@ -95,7 +96,8 @@ def kwargs(trainer_args: dict[str, Any]) -> dict[str, Any]:
                 **trainer_args)
 
 
-def main() -> None:
+def main() -> str:
+    """Run the project; return the strategy's name."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--strategy", required=True)
@@ -157,7 +159,9 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(report, indent=1, sort_keys=True))
+    return name
 
 
 if __name__ == "__main__":
-    main()
+    if not main().startswith("ddp_sync"):
+        end_baseline()

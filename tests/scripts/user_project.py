@@ -35,6 +35,7 @@ else:
     from lightning.pytorch.loggers import CSVLogger
 
 import lightning_sync  # noqa: F401, E402  (registers ddp_sync, in pytorch_lightning's registry too once imported)
+from _baseline_exit import end_baseline  # noqa: E402
 
 
 def blobs(n: int, seed: int) -> TensorDataset:
@@ -102,7 +103,8 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: round(float(v), 6) for k, v in sorted(metrics.items())}
 
 
-def main() -> None:
+def main() -> str:
+    """Run the project; return the strategy's name."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--strategy", required=True)
@@ -137,7 +139,9 @@ def main() -> None:
     report["rank"] = trainer.global_rank
     report["gathered_shapes"] = model.gathered_shapes[-3:]
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))
+    return args.strategy
 
 
 if __name__ == "__main__":
-    main()
+    if not main().startswith("ddp_sync"):
+        end_baseline()

@@ -166,6 +166,39 @@ def test_correct_program_passes_and_torch_is_restored() -> None:
     assert r0["agreed"] and r1["agreed"]  # (call sites that differ: test_same_collective_from_different_lines_is_caught)
 
 
+def _installs_on_tcp_groups(rank: int, world: int, ports: list[int]) -> dict:
+    """Many guard installs on one TCP-rendezvous group (a trainer call each), then on a second group."""
+    seen: list[list[tuple]] = []
+    for port in ports:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        mine = []
+        for _ in range(15):  # torch 2.13 stalls 5 s about one new store connection in 12-40 here (docs/guard.md)
+            with CollectiveGuard(timeout=30, confirm_first=True) as guard:
+                t = torch.ones(1)
+                dist.all_reduce(t)
+                assert guard._exchange is not None and t.item() == world
+                mine.append((guard._exchange.store.underlying_store, guard._side_group, guard._flags_group))
+        seen.append(mine)
+        dist.barrier()
+        dist.destroy_process_group()
+    first, second = seen
+
+    def one_each(rows: list[tuple]) -> bool:
+        return all(a is b for row in rows for a, b in zip(row, rows[0]))
+
+    return {"one_per_group": one_each(first) and one_each(second),
+            "new_group_new_ones": all(a is not b for a, b in zip(first[0], second[0]))}
+
+
+def test_guard_installs_share_one_store_connection_and_groups_per_process_group() -> None:
+    """The watchdog's store client and confirm_first's two gloo groups are made once per default group."""
+    from tests.launch import free_port
+
+    ports = [free_port(), free_port()]
+    for r in run_ranks(_installs_on_tcp_groups, 2, args=(ports,), init=False, timeout=90):
+        assert r == {"one_per_group": True, "new_group_new_ones": True}
+
+
 def _one_exchange(rank: int, world: int) -> dict:
     """confirm_first's one-round-trip exchange (a small sync_dist value, checked and sent together) and the
     step flags' own broadcast, against Lightning's reduction of the same values."""

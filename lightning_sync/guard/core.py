@@ -343,8 +343,7 @@ class CollectiveGuard:
         self._monitor.owner_stop = self.uninstall
         self._monitor.start()
         if self.confirm_first and self._side_group is None:
-            self._side_group = dist.new_group(backend="gloo")  # every rank installs: a collective like the rest
-            self._flags_group = dist.new_group(backend="gloo")
+            self._side_group, self._flags_group = _own_groups()
         self._interceptor = Interceptor(self)
         self._interceptor.install()
         collectives.register_guard(self._collectives_hook, self._collectives_mismatch)
@@ -369,7 +368,7 @@ class CollectiveGuard:
             self._interceptor.uninstall()
             self._interceptor = None
         collectives.unregister_guard(self._collectives_hook)
-        # (not destroyed: a given-up exchange may still hold them; the default group's end ends them)
+        # (kept for the next install on this default group: see _own_groups)
         self._side_group = self._flags_group = None
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
@@ -706,6 +705,33 @@ def _flight_recorder_tail(n: int = 4) -> list[str]:
             f"{e.get('input_dtypes')} state={e.get('state')}" for e in entries[-n:]]
 
 
+#: ``confirm_first``'s two gloo groups, per default process group (see _own_groups).
+_groups: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _own_groups() -> tuple[Any, Any]:
+    """``confirm_first``'s gloo groups (the side exchange's, the step flags'), made by the first install on
+    the default process group and reused by the next ones (every trainer call installs a guard; two new
+    groups each time were ~3 native threads more per call, freed only with the default group). Held
+    weakly by that group: they go when it goes, and with them the store reference they share with it, so
+    nothing here keeps rank 0's rendezvous server open after ``destroy_process_group``. Every rank
+    installs on the same groups in the same order, so every rank takes the same branch here (``new_group``
+    is a collective)."""
+    world = dist.group.WORLD
+    try:
+        groups = _groups.get(world)
+    except TypeError:  # a group type that takes no weak reference: new groups per install
+        return dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+    if groups is None:
+        groups = _groups[world] = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+    return groups
+
+
+#: The watchdog's store clients, per default process group and timeout (see _side_store). Weak keys: a
+#: client goes with its group (it serves nothing: rank 0's server belongs to the group's own store).
+_side_clients: weakref.WeakKeyDictionary[Any, dict[float, Any]] = weakref.WeakKeyDictionary()
+
+
 def _side_store(prefix: str, timeout: float) -> Any:
     # torch.distributed exports the store classes without declaring them (mypy): go through Any
     c10d: Any = dist
@@ -713,12 +739,20 @@ def _side_store(prefix: str, timeout: float) -> Any:
     inner = base
     while isinstance(inner, c10d.PrefixStore):
         inner = inner.underlying_store
-    if isinstance(inner, c10d.TCPStore):
-        # The watchdog's own connection to the rendezvous server, with its own short timeout.
-        client = c10d.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=timeout))
-        return c10d.PrefixStore(prefix, client)
-    return c10d.PrefixStore(prefix, base)
+    if not isinstance(inner, c10d.TCPStore):
+        return c10d.PrefixStore(prefix, base)
+    # The watchdog's own connection to the rendezvous server, with its own short timeout. One per group:
+    # every trainer call installs a guard, and a new TCPStore client costs ~1 ms and, about one connection
+    # in 12-40 here on torch 2.13, a 5 s stall on every rank at once (docs/guard.md, Cost).
+    try:
+        clients = _side_clients.setdefault(dist.group.WORLD, {})
+    except TypeError:  # a group type that takes no weak reference: a client per install
+        clients = {}
+    client = clients.get(timeout)
+    if client is None:
+        client = clients[timeout] = c10d.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
+                                                  timeout=timedelta(seconds=timeout))
+    return c10d.PrefixStore(prefix, client)
 
 
 @atexit.register

@@ -40,7 +40,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_sync as ls
-from _baseline_exit import end_baseline
 
 PREEMPT_STEP = 6  # preempt: SIGUSR1 inside global step 6 on rank 0, 7 on rank 1
 
@@ -252,6 +251,8 @@ def callbacks_phase(args: argparse.Namespace, out: Path, model: Model, kwargs: d
 
 
 if __name__ == "__main__":
+    from _baseline_exit import end_baseline  # (tests/scripts/: on the path of a script run)
+
     arguments = parse()
     main(arguments)
     if arguments.strategy == "model_parallel":

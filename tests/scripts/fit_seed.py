@@ -18,7 +18,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_sync as ls
-from _baseline_exit import end_baseline
 
 N = 24
 
@@ -137,5 +136,7 @@ def main() -> str:
 
 
 if __name__ == "__main__":
+    from _baseline_exit import end_baseline  # (tests/scripts/: on the path of a script run)
+
     if not main().startswith("ddp_sync"):
         end_baseline()

@@ -26,7 +26,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_sync  # noqa: F401  (registers ddp_sync)
-from _baseline_exit import end_baseline
 
 SEED = 7
 
@@ -163,5 +162,7 @@ def main() -> str:
 
 
 if __name__ == "__main__":
+    from _baseline_exit import end_baseline  # (tests/scripts/: on the path of a script run)
+
     if not main().startswith("ddp_sync"):
         end_baseline()

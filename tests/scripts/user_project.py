@@ -35,7 +35,6 @@ else:
     from lightning.pytorch.loggers import CSVLogger
 
 import lightning_sync  # noqa: F401, E402  (registers ddp_sync, in pytorch_lightning's registry too once imported)
-from _baseline_exit import end_baseline  # noqa: E402
 
 
 def blobs(n: int, seed: int) -> TensorDataset:
@@ -143,5 +142,7 @@ def main() -> str:
 
 
 if __name__ == "__main__":
+    from _baseline_exit import end_baseline  # (tests/scripts/: on the path of a script run)
+
     if not main().startswith("ddp_sync"):
         end_baseline()

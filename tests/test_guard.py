@@ -169,7 +169,7 @@ def test_correct_program_passes_and_torch_is_restored() -> None:
 def _installs_on_tcp_groups(rank: int, world: int, ports: list[int]) -> dict:
     """Many guard installs on one TCP-rendezvous group (a trainer call each), then on a second group."""
     seen: list[list[tuple]] = []
-    for port in ports:
+    for port in ports[:2]:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         mine = []
         for _ in range(15):  # torch 2.13 stalls 5 s about one new store connection in 12-40 here (docs/guard.md)
@@ -181,22 +181,41 @@ def _installs_on_tcp_groups(rank: int, world: int, ports: list[int]) -> dict:
         seen.append(mine)
         dist.barrier()
         dist.destroy_process_group()
+    # a guard that failed: the next install on the group does not reuse its store connection
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[2]}", rank=rank, world_size=world)
+    with CollectiveGuard(timeout=30) as guard:
+        assert guard._exchange is not None
+        kept = guard._exchange.store.underlying_store
+    with pytest.raises(ls.CollectiveMismatchError), CollectiveGuard(timeout=30) as guard:
+        assert guard._exchange is not None and guard._exchange.store.underlying_store is kept
+        t = torch.ones(1)
+        if rank == 0:
+            dist.all_reduce(t)
+        else:
+            dist.all_reduce(t)  # another line: a mismatch the watchdog finds (reported by the closing check)
+    with CollectiveGuard(timeout=30) as guard:
+        assert guard._exchange is not None
+        after_failure = guard._exchange.store.underlying_store is not kept
+    dist.barrier()
+    dist.destroy_process_group()
     first, second = seen
 
     def one_each(rows: list[tuple]) -> bool:
         return all(a is b for row in rows for a, b in zip(row, rows[0]))
 
     return {"one_per_group": one_each(first) and one_each(second),
-            "new_group_new_ones": all(a is not b for a, b in zip(first[0], second[0]))}
+            "new_group_new_ones": all(a is not b for a, b in zip(first[0], second[0])),
+            "new_connection_after_failure": after_failure}
 
 
 def test_guard_installs_share_one_store_connection_and_groups_per_process_group() -> None:
-    """The watchdog's store client and confirm_first's two gloo groups are made once per default group."""
+    """The watchdog's store client and confirm_first's two gloo groups are made once per default group (a new
+    client after a guard failed)."""
     from tests.launch import free_port
 
-    ports = [free_port(), free_port()]
+    ports = [free_port(), free_port(), free_port()]
     for r in run_ranks(_installs_on_tcp_groups, 2, args=(ports,), init=False, timeout=90):
-        assert r == {"one_per_group": True, "new_group_new_ones": True}
+        assert r == {"one_per_group": True, "new_group_new_ones": True, "new_connection_after_failure": True}
 
 
 def _one_exchange(rank: int, world: int) -> dict:

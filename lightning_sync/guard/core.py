@@ -376,6 +376,9 @@ class CollectiveGuard:
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
             monitor.leave()
+            if monitor.failure is not None and self._exchange is not None:
+                # the store may have been what failed: the next install on this group opens a new connection
+                _forget_side_client(self._exchange.store)
         _active.discard(self)
 
     def watch_module(self, module: torch.nn.Module) -> None:
@@ -733,6 +736,15 @@ def _own_groups() -> tuple[Any, Any]:
 #: The watchdog's store clients, per default process group and timeout (see _side_store). Weak keys: a
 #: client goes with its group (it serves nothing: rank 0's server belongs to the group's own store).
 _side_clients: weakref.WeakKeyDictionary[Any, dict[float, Any]] = weakref.WeakKeyDictionary()
+
+
+def _forget_side_client(store: Any) -> None:
+    """Drop the cached client under ``store`` (a ``PrefixStore`` from :func:`_side_store`), if it is one."""
+    inner = getattr(store, "underlying_store", None)
+    for clients in list(_side_clients.values()):
+        for timeout, client in list(clients.items()):
+            if client is inner:
+                del clients[timeout]
 
 
 def _side_store(prefix: str, timeout: float) -> Any:

@@ -6,6 +6,7 @@ tests/scripts/fit_guard.py in a subprocess under ``timeout -k 5`` (2 ranks via L
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -203,9 +204,19 @@ def _installs_on_tcp_groups(rank: int, world: int, ports: list[int]) -> dict:
     def one_each(rows: list[tuple]) -> bool:
         return all(a is b for row in rows for a, b in zip(row, rows[0]))
 
-    return {"one_per_group": one_each(first) and one_each(second),
-            "new_group_new_ones": all(a is not b for a, b in zip(first[0], second[0])),
-            "new_connection_after_failure": after_failure}
+    result = {"one_per_group": one_each(first) and one_each(second),
+              "new_group_new_ones": all(a is not b for a, b in zip(first[0], second[0])),
+              "new_connection_after_failure": after_failure}
+    # nothing cached outlives its group: once the test's own references go, the first group's port serves again
+    del seen, first, second, mine, kept, guard
+    gc.collect()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=world)
+    with CollectiveGuard(timeout=30, confirm_first=True):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+    dist.barrier()
+    dist.destroy_process_group()
+    return {**result, "port_served_again": t.item() == world}
 
 
 def test_guard_installs_share_one_store_connection_and_groups_per_process_group() -> None:
@@ -215,7 +226,31 @@ def test_guard_installs_share_one_store_connection_and_groups_per_process_group(
 
     ports = [free_port(), free_port(), free_port()]
     for r in run_ranks(_installs_on_tcp_groups, 2, args=(ports,), init=False, timeout=90):
-        assert r == {"one_per_group": True, "new_group_new_ones": True, "new_connection_after_failure": True}
+        assert r == {"one_per_group": True, "new_group_new_ones": True, "new_connection_after_failure": True,
+                     "port_served_again": True}
+
+
+def _guard_after_a_failed_side_exchange(rank: int, world: int) -> dict:
+    """confirm_first: rank 0 alone makes a collective (its all-gather on the guard's group is left pending when
+    the guard fails), then every rank runs a correct guarded program on the same process group."""
+    with pytest.raises(ls.CollectiveMismatchError), CollectiveGuard(timeout=30, confirm_first=True) as guard:
+        failed_groups = (guard._side_group, guard._flags_group)
+        t = torch.ones(1)
+        if rank == 0:
+            dist.all_reduce(t)
+    dist.barrier()  # the world group is fine: the all_reduce's data never moved
+    with CollectiveGuard(timeout=30, confirm_first=True) as guard:
+        groups = (guard._side_group, guard._flags_group)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+    return {"sum": t.item(), "new_groups": all(a is not b for a, b in zip(groups, failed_groups))}
+
+
+def test_a_guard_after_a_failed_one_does_not_reuse_its_groups() -> None:
+    """A failed guard's groups may hold a rank's abandoned all-gather: the next install makes new ones on every
+    rank (agreed in its start-up all-reduce), and its collectives pair correctly."""
+    for r in run_ranks(_guard_after_a_failed_side_exchange, 2, timeout=90):
+        assert r == {"sum": 2.0, "new_groups": True}
 
 
 def _one_exchange(rank: int, world: int) -> dict:

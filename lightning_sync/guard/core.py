@@ -166,6 +166,7 @@ class CollectiveGuard:
         self.confirm_first = bool(confirm_first)
         self._side_group: Any = None  # confirm_first's own gloo group (made at install)
         self._flags_group: Any = None  # and one for own_broadcast only
+        self._cache: _GroupCache | None = None  # what this install shares with the others on its group
         self._closings = 0  # closing checks of this install (their store keys)
         self.context: Callable[[], str | None] | None = None
         self._recorder: Recorder | None = None
@@ -226,7 +227,7 @@ class CollectiveGuard:
         failure = self._failure()
         if exc is not None and failure is not None and exc is not failure:
             # e.g. DDP's all-reduce failed because the guard ended a frozen peer: the guard's report says why
-            self.uninstall()
+            self.uninstall(failed=True)
             raise failure from exc
         try:
             if exc_type is None and self.active and dist.is_initialized():
@@ -234,7 +235,7 @@ class CollectiveGuard:
                 # the last collectives, is reported here rather than going unnoticed.
                 self.closing_check()
         finally:
-            self.uninstall()
+            self.uninstall(failed=exc is not None)
 
     def closing_check(self) -> None:
         """Wait until every rank's collectives so far were compared (every rank must call it; blocks for at
@@ -325,10 +326,18 @@ class CollectiveGuard:
                                "dist.init_process_group first.")
         # Every install needs fresh store keys (torchrun's store outlives a process group), and every
         # rank must use the same ones: a Hydra sweep's rank 0 has installed once per job, its other
-        # ranks are new processes each job. So rank 0's count wins (one unguarded broadcast).
-        generation = torch.tensor([_generation + 1], dtype=torch.int64, device=collectives._comm_device(None))
-        dist.broadcast(generation, src=0)
-        _generation = int(generation.item())
+        # ranks are new processes each job. So the highest count wins (one unguarded all-reduce, which
+        # also tells every rank whether any rank's last install on this group failed: see _GroupCache).
+        cache = _group_cache()
+        agreed = torch.tensor([_generation + 1, int(cache.dirty)], dtype=torch.int64,
+                              device=collectives._comm_device(None))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        _generation, dirty = (int(x) for x in agreed.tolist())
+        if dirty:
+            cache.clients.clear()
+            cache.groups = None
+        cache.dirty = False
+        self._cache = cache
         self._rank = dist.get_rank()
         self._depth = 0
         self._closings = 0
@@ -337,7 +346,7 @@ class CollectiveGuard:
         self._recorder = Recorder(capacity=max(64, self.history_size))
         # torchrun's store also outlives a restart of the worker group: the attempt keeps keys apart
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = _side_store(f"lightning_sync/guard/{attempt}/{_generation}/", timeout=min(self.timeout, 10.0))
+        store = _side_store(f"lightning_sync/guard/{attempt}/{_generation}/", min(self.timeout, 10.0), cache)
         self._exchange = Exchange(store, self._rank, dist.get_world_size(), self.match_call_sites)
         self._exchange.start()
         self._monitor = Monitor(self._exchange, self._recorder, self.timeout, self.hang_timeout, self._write,
@@ -346,7 +355,9 @@ class CollectiveGuard:
         self._monitor.owner_stop = self.uninstall
         self._monitor.start()
         if self.confirm_first and self._side_group is None:
-            self._side_group, self._flags_group = _own_groups()
+            if cache.groups is None:
+                cache.groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+            self._side_group, self._flags_group = cache.groups
         self._interceptor = Interceptor(self)
         self._interceptor.install()
         collectives.register_guard(self._collectives_hook, self._collectives_mismatch)
@@ -365,20 +376,25 @@ class CollectiveGuard:
                       "torch.distributed process group (init_process_group mocked?).", stacklevel=2)
         return False
 
-    def uninstall(self) -> None:
-        """Stop guarding, stop the watchdog thread and restore ``torch.distributed`` (idempotent)."""
+    def uninstall(self, failed: bool = False) -> None:
+        """Stop guarding, stop the watchdog thread and restore ``torch.distributed`` (idempotent).
+
+        Args:
+            failed: the guarded program failed (an exception left it); the next install on this process
+                group then makes its own groups and store connection anew (as after a guard's own failure).
+        """
         if self._interceptor is not None:
             self._interceptor.uninstall()
             self._interceptor = None
         collectives.unregister_guard(self._collectives_hook)
-        # (kept for the next install on this default group: see _own_groups)
+        # (kept for the next install on this default group, unless this one failed: see _GroupCache)
         self._side_group = self._flags_group = None
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
             monitor.leave()
-            if monitor.failure is not None and self._exchange is not None:
-                # the store may have been what failed: the next install on this group opens a new connection
-                _forget_side_client(self._exchange.store)
+            if (failed or monitor.failure is not None or self._depth) and self._cache is not None:
+                self._cache.dirty = True  # (self._depth: ended from inside a guarded collective)
+        self._cache = None
         _active.discard(self)
 
     def watch_module(self, module: torch.nn.Module) -> None:
@@ -711,43 +727,48 @@ def _flight_recorder_tail(n: int = 4) -> list[str]:
             f"{e.get('input_dtypes')} state={e.get('state')}" for e in entries[-n:]]
 
 
-#: ``confirm_first``'s two gloo groups, per default process group (see _own_groups).
-_groups: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+class _GroupCache:
+    """What the guard's installs on one default process group share, made by the first and reused by the
+    next (every trainer call installs a guard):
+
+    * ``clients``: the watchdog's own ``TCPStore`` connection to the rendezvous server, per timeout. A new
+      client costs ~1 ms and, about one connection in 12-40 here on torch 2.13, a 5 s stall on every rank
+      at once (docs/guard.md, Cost).
+    * ``groups``: ``confirm_first``'s two gloo groups (the side exchange's, the step flags'). Two new ones
+      per install were ~3 native threads more per trainer call, freed only with the default group.
+    * ``dirty``: an install on this group ended in a failure on this rank. A failed side exchange can leave a
+      rank's all-gather pending on those groups and the store client mid-request, so the next install drops
+      them, on every rank alike (agreed at install: ``new_group`` is a collective).
+
+    Held weakly by the default group (:data:`_caches`): it all goes when the group goes, and with the
+    groups the store reference they share with it, so nothing here keeps rank 0's rendezvous server open
+    after ``destroy_process_group``.
+    """
+
+    __slots__ = ("clients", "groups", "dirty")
+
+    def __init__(self) -> None:
+        self.clients: dict[float, Any] = {}
+        self.groups: tuple[Any, Any] | None = None
+        self.dirty = False
 
 
-def _own_groups() -> tuple[Any, Any]:
-    """``confirm_first``'s gloo groups (the side exchange's, the step flags'), made by the first install on
-    the default process group and reused by the next ones (every trainer call installs a guard; two new
-    groups each time were ~3 native threads more per call, freed only with the default group). Held
-    weakly by that group: they go when it goes, and with them the store reference they share with it, so
-    nothing here keeps rank 0's rendezvous server open after ``destroy_process_group``. Every rank
-    installs on the same groups in the same order, so every rank takes the same branch here (``new_group``
-    is a collective)."""
+_caches: weakref.WeakKeyDictionary[Any, _GroupCache] = weakref.WeakKeyDictionary()
+
+
+def _group_cache() -> _GroupCache:
+    """The default group's cache (a throwaway one where the group type takes no weak reference)."""
     world = dist.group.WORLD
     try:
-        groups = _groups.get(world)
-    except TypeError:  # a group type that takes no weak reference: new groups per install
-        return dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
-    if groups is None:
-        groups = _groups[world] = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
-    return groups
+        cache = _caches.get(world)
+        if cache is None:
+            cache = _caches[world] = _GroupCache()
+    except TypeError:
+        return _GroupCache()
+    return cache
 
 
-#: The watchdog's store clients, per default process group and timeout (see _side_store). Weak keys: a
-#: client goes with its group (it serves nothing: rank 0's server belongs to the group's own store).
-_side_clients: weakref.WeakKeyDictionary[Any, dict[float, Any]] = weakref.WeakKeyDictionary()
-
-
-def _forget_side_client(store: Any) -> None:
-    """Drop the cached client under ``store`` (a ``PrefixStore`` from :func:`_side_store`), if it is one."""
-    inner = getattr(store, "underlying_store", None)
-    for clients in list(_side_clients.values()):
-        for timeout, client in list(clients.items()):
-            if client is inner:
-                del clients[timeout]
-
-
-def _side_store(prefix: str, timeout: float) -> Any:
+def _side_store(prefix: str, timeout: float, cache: _GroupCache) -> Any:
     # torch.distributed exports the store classes without declaring them (mypy): go through Any
     c10d: Any = dist
     base = default_store()
@@ -756,17 +777,11 @@ def _side_store(prefix: str, timeout: float) -> Any:
         inner = inner.underlying_store
     if not isinstance(inner, c10d.TCPStore):
         return c10d.PrefixStore(prefix, base)
-    # The watchdog's own connection to the rendezvous server, with its own short timeout. One per group:
-    # every trainer call installs a guard, and a new TCPStore client costs ~1 ms and, about one connection
-    # in 12-40 here on torch 2.13, a 5 s stall on every rank at once (docs/guard.md, Cost).
-    try:
-        clients = _side_clients.setdefault(dist.group.WORLD, {})
-    except TypeError:  # a group type that takes no weak reference: a client per install
-        clients = {}
-    client = clients.get(timeout)
+    # the watchdog's own connection to the rendezvous server, with its own short timeout
+    client = cache.clients.get(timeout)
     if client is None:
-        client = clients[timeout] = c10d.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
-                                                  timeout=timedelta(seconds=timeout))
+        client = cache.clients[timeout] = c10d.TCPStore(inner.host, inner.port, is_master=False,
+                                                        wait_for_workers=False, timeout=timedelta(seconds=timeout))
     return c10d.PrefixStore(prefix, client)
 
 

@@ -59,7 +59,7 @@ class GuardPart(Part):
         guard = self.guard
 
         def handler(signum: int, frame: Any) -> None:
-            guard.uninstall()
+            guard.uninstall(failed=True)
             previous(signum, frame)
 
         handler._lsync_unguard = True  # type: ignore[attr-defined]
@@ -69,7 +69,7 @@ class GuardPart(Part):
         # No checked collectives after a failure: Lightning's SIGTERM handler broadcasts during
         # teardown, and the guard would wait for peers that are gone until the launcher's SIGKILL
         # (30 s under torchrun); unguarded, gloo fails at once.
-        self.end(strategy.global_rank)
+        self.end(strategy.global_rank, failed=True)
 
     def closing(self, strategy: Any) -> None:
         if self.guard is not None:
@@ -80,13 +80,13 @@ class GuardPart(Part):
     def after_teardown(self, strategy: Any) -> None:
         self.end(strategy.global_rank)
 
-    def end(self, rank: int) -> None:
+    def end(self, rank: int, failed: bool = False) -> None:
         """Stop guarding; after a failure rank 0 stays a few watchdog turns, so the peers read the error it
         posted in the store it hosts instead of only "the store stopped answering" once it is gone."""
         guard = self.guard
         if guard is None or not guard.active:
             return
         found = guard.failure is not None
-        guard.uninstall()
+        guard.uninstall(failed=failed)
         if found and rank == 0:
             time.sleep(min(1.0, 5 * guard.interval))

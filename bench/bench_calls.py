@@ -106,10 +106,10 @@ def main() -> None:
         return statistics.median(of(t) for t in runs[label])
 
     for name in calls:
-        d = median("ddp", lambda t: t[name])
+        per_label = {k: median(k, lambda t: t[name]) for k in labels}
+        d = per_label["ddp"]
         print(f"  {name:9s}  ddp {d:6.3f} s" + "".join(
-            f"   {k} {median(k, lambda t: t[name]):6.3f} s ({median(k, lambda t: t[name]) / d:4.2f}x)"
-            for k in labels[1:]))
+            f"   {k} {per_label[k]:6.3f} s ({per_label[k] / d:4.2f}x)" for k in labels[1:]))
     first = {k: median(k, lambda t: sum(t[c] for c in calls)) for k in labels}
     whole = {k: median(k, lambda t: t["fit"] + sum(t[c] for c in calls)) for k in labels}
     later = {k: statistics.median(x for t in runs[k] for x in t["later"]) for k in labels} if args.repeats > 1 else {}

@@ -25,9 +25,26 @@ pytestmark = pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "fully_shard
 
 
 def _run(out: Path, strategy: str, phase: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPT), "--out", str(out),
-                           "--strategy", strategy, "--phase", phase], capture_output=True, text=True,
-                          timeout=timeout + 20, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return _finish(_start(out, strategy, phase, timeout), timeout)
+
+
+def _start(out: Path, strategy: str, phase: str, timeout: int = 240) -> subprocess.Popen[str]:
+    return subprocess.Popen(["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPT), "--out", str(out),
+                             "--strategy", strategy, "--phase", phase], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _finish(proc: subprocess.Popen[str], timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    stdout, stderr = proc.communicate(timeout=timeout + 20)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _run_together(out: Path, strategy: str, phases: list[str],
+                  timeout: int = 240) -> list[subprocess.CompletedProcess[str]]:
+    """Independent phases (each its own 2-rank run and output directory) at the same time: a run's
+    start-up leaves a core idle while its second rank imports (Lightning starts it after the first)."""
+    procs = [_start(out, strategy, phase, timeout) for phase in phases]
+    return [_finish(proc, timeout) for proc in procs]
 
 
 def _ok(proc: subprocess.CompletedProcess[str]) -> None:
@@ -55,8 +72,9 @@ def _one_process_mse(weights: Path, n: int = 1001) -> float:
 @pytest.mark.parametrize("strategy", ["model_parallel_sync", "model_parallel"])
 def test_evaluation_and_mid_epoch_resume(strategy: str, tmp_path: Path) -> None:
     sync = strategy == "model_parallel_sync"
-    for phase in ("eval", "full", "stop", "resume"):
-        _ok(_run(tmp_path, strategy, phase))
+    for wave in (["eval", "full"], ["stop", "autostop"] if sync else ["stop"], ["resume"]):
+        for proc in _run_together(tmp_path, strategy, wave):
+            _ok(proc)
     # evaluation over 1001 samples: sync_dist and a torchmetrics metric against one process on the set
     reference = _one_process_mse(tmp_path / "eval" / "full.pt")
     for rep in _reports(tmp_path, "eval"):
@@ -88,7 +106,6 @@ def test_evaluation_and_mid_epoch_resume(strategy: str, tmp_path: Path) -> None:
     entry = torch.load(last / "meta.pt", weights_only=True)["lightning_sync"]
     assert entry["rank_files"] and "rng_states" not in entry and "loader_states" not in entry
     # resume="auto" finds the newest complete sharded checkpoint by itself, skipping a newer one cut short
-    _ok(_run(tmp_path, strategy, "autostop"))
     torn = tmp_path / "autockpt" / "epoch=2-step=20.ckpt"
     torn.mkdir()
     (torn / "__0_0.distcp").write_bytes(b"partial")
@@ -115,6 +132,10 @@ def test_evaluation_and_mid_epoch_resume(strategy: str, tmp_path: Path) -> None:
 def test_a_collective_on_one_rank_only_names_both_ranks_instead_of_crashing() -> None:
     import tempfile
 
+    # Lightning's ModelParallelStrategy beside it (checked last): gloo pairs rank 0's all_reduce with
+    # FSDP2's all-gather on rank 1 and aborts a process, or the run hangs until its limit
+    baseline_dir = tempfile.TemporaryDirectory()
+    baseline = _start(Path(baseline_dir.name), "model_parallel", "guard", timeout=45)
     with tempfile.TemporaryDirectory() as tmp:
         proc = _run(Path(tmp), "model_parallel_sync", "guard", timeout=120)
         assert proc.returncode != 0
@@ -138,10 +159,8 @@ def test_a_collective_on_one_rank_only_names_both_ranks_instead_of_crashing() ->
         # rank 1 raises it too (Lightning's process observer may end it before it writes its report)
         assert "[rank1]: lightning_sync.errors.CollectiveMismatchError: rank(s) 1 did not reach" in proc.stderr
         assert "Received data size doesn't match" not in proc.stderr
-    # Lightning's ModelParallelStrategy: gloo pairs rank 0's all_reduce with FSDP2's all-gather on rank 1
-    # and aborts a process, or the run hangs until this test's limit
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = _run(Path(tmp), "model_parallel", "guard", timeout=30)
+    with baseline_dir:
+        proc = _finish(baseline, timeout=45)
         assert proc.returncode != 0 and "CollectiveMismatchError" not in proc.stdout + proc.stderr
 
 

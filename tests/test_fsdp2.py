@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,26 +26,16 @@ pytestmark = pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "fully_shard
 
 
 def _run(out: Path, strategy: str, phase: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
-    return _finish(_start(out, strategy, phase, timeout), timeout)
+    return subprocess.run(["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPT), "--out", str(out),
+                           "--strategy", strategy, "--phase", phase], capture_output=True, text=True,
+                          timeout=timeout + 20, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def _start(out: Path, strategy: str, phase: str, timeout: int = 240) -> subprocess.Popen[str]:
-    return subprocess.Popen(["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPT), "--out", str(out),
-                             "--strategy", strategy, "--phase", phase], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def _finish(proc: subprocess.Popen[str], timeout: int = 240) -> subprocess.CompletedProcess[str]:
-    stdout, stderr = proc.communicate(timeout=timeout + 20)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
-def _run_together(out: Path, strategy: str, phases: list[str],
-                  timeout: int = 240) -> list[subprocess.CompletedProcess[str]]:
+def _run_together(out: Path, strategy: str, phases: list[str]) -> list[subprocess.CompletedProcess[str]]:
     """Independent phases (each its own 2-rank run and output directory) at the same time: a run's
     start-up leaves a core idle while its second rank imports (Lightning starts it after the first)."""
-    procs = [_start(out, strategy, phase, timeout) for phase in phases]
-    return [_finish(proc, timeout) for proc in procs]
+    with ThreadPoolExecutor(max_workers=len(phases)) as pool:
+        return list(pool.map(lambda phase: _run(out, strategy, phase), phases))
 
 
 def _ok(proc: subprocess.CompletedProcess[str]) -> None:
@@ -134,8 +125,16 @@ def test_a_collective_on_one_rank_only_names_both_ranks_instead_of_crashing() ->
 
     # Lightning's ModelParallelStrategy beside it (checked last): gloo pairs rank 0's all_reduce with
     # FSDP2's all-gather on rank 1 and aborts a process, or the run hangs until its limit
-    baseline_dir = tempfile.TemporaryDirectory()
-    baseline = _start(Path(baseline_dir.name), "model_parallel", "guard", timeout=45)
+    with tempfile.TemporaryDirectory() as baseline_dir, ThreadPoolExecutor(max_workers=1) as pool:
+        baseline = pool.submit(_run, Path(baseline_dir), "model_parallel", "guard", timeout=45)
+        _guarded_runs_name_both_ranks()
+        proc = baseline.result()
+        assert proc.returncode != 0 and "CollectiveMismatchError" not in proc.stdout + proc.stderr
+
+
+def _guarded_runs_name_both_ranks() -> None:
+    import tempfile
+
     with tempfile.TemporaryDirectory() as tmp:
         proc = _run(Path(tmp), "model_parallel_sync", "guard", timeout=120)
         assert proc.returncode != 0
@@ -159,9 +158,6 @@ def test_a_collective_on_one_rank_only_names_both_ranks_instead_of_crashing() ->
         # rank 1 raises it too (Lightning's process observer may end it before it writes its report)
         assert "[rank1]: lightning_sync.errors.CollectiveMismatchError: rank(s) 1 did not reach" in proc.stderr
         assert "Received data size doesn't match" not in proc.stderr
-    with baseline_dir:
-        proc = _finish(baseline, timeout=45)
-        assert proc.returncode != 0 and "CollectiveMismatchError" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

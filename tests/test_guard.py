@@ -385,7 +385,8 @@ def test_nccl_flight_recorder_env_keeps_user_values() -> None:
         os.rmdir(directory)
 
 
-def test_strategy_sets_flight_recorder_env_before_nccl_init(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_strategy_sets_flight_recorder_env_before_nccl_init(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the private dump directory it makes lands here
     for name in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
         monkeypatch.setenv(name, "x")  # so monkeypatch restores the original state afterwards
         monkeypatch.delenv(name)
@@ -397,6 +398,7 @@ def test_strategy_sets_flight_recorder_env_before_nccl_init(monkeypatch: pytest.
         strategy.setup_distributed()
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(str(tmp_path / "lightning_sync_nccl_"))
 
 
 def test_strategy_arguments() -> None:

@@ -118,33 +118,40 @@ class Exchange:
     def start(self) -> None:
         """Create this rank's keys (before its first turn)."""
         self._call(self.store.add, "abort", 0)
-        self._call(self.store.set, f"c/w/{self.rank}", "0")
-        self.publish([], None, {})
+        self._call(self.store.multi_set, [f"c/w/{self.rank}", f"h/{self.rank}"], ["0", self._heartbeat(None, {})])
 
     def publish(self, batch: list[tuple[str, Fingerprint]], busy: tuple[str, int, float] | None,
                 rings: dict[str, list[Fingerprint]], nexts: dict[str, int] | None = None, done: bool = False) -> None:
-        """One-way writes: the new fingerprints per stream, then the heartbeat.
+        """One-way writes, in one request: the new fingerprints per stream, their counts, then the
+        heartbeat (the store applies a request's keys in order before it answers the next request, so a
+        reader that sees a count sees its batch).
 
         ``done``: the last heartbeat of a rank that stops guarding on purpose (its silence is not a freeze).
         """
         by_stream: dict[str, list[Fingerprint]] = {}
         for stream, fp in batch:
             by_stream.setdefault(stream, []).append(fp)
+        keys: list[str] = []
+        values: list[str] = []
         for stream, fps in by_stream.items():
             k = self._published.get(stream, 0)
-            self._call(self.store.set, f"f/{stream}/{self.rank}/{k % SLOTS}", f"{k}{_BATCH}{encode(fps)}")
-            self._call(self.store.set, f"c/{stream}/{self.rank}", str(k + 1))
+            keys += [f"f/{stream}/{self.rank}/{k % SLOTS}", f"c/{stream}/{self.rank}"]
+            values += [f"{k}{_BATCH}{encode(fps)}", str(k + 1)]
             self._published[stream] = k + 1
             mine = self._mine.setdefault(stream, {})
             mine.update((fp.seq, fp) for fp in fps)
             _trim(mine)
-        self._beat += 1
-        beat = {"beat": self._beat, "time": time.time(), **self.identity,
-                "busy": list(busy) if busy is not None else None,
-                "next": nexts if nexts is not None else {s: r[-1].seq + 1 for s, r in rings.items() if r},
-                "ring": {s: encode(r) for s, r in rings.items()}, "done": done}
-        self._call(self.store.set, f"h/{self.rank}", json.dumps(beat))
+        keys.append(f"h/{self.rank}")
+        values.append(self._heartbeat(busy, rings, nexts, done))
+        self._call(self.store.multi_set, keys, values)
 
+    def _heartbeat(self, busy: tuple[str, int, float] | None, rings: dict[str, list[Fingerprint]],
+                   nexts: dict[str, int] | None = None, done: bool = False) -> str:
+        self._beat += 1
+        return json.dumps({"beat": self._beat, "time": time.time(), **self.identity,
+                           "busy": list(busy) if busy is not None else None,
+                           "next": nexts if nexts is not None else {s: r[-1].seq + 1 for s, r in rings.items() if r},
+                           "ring": {s: encode(r) for s, r in rings.items()}, "done": done})
 
     def post_abort(self, message: str) -> None:
         self._call(self.store.set, f"abort/{self.rank}", message)

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -121,8 +122,6 @@ def test_evaluation_and_mid_epoch_resume(strategy: str, tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_collective_on_one_rank_only_names_both_ranks_instead_of_crashing() -> None:
-    import tempfile
-
     # Lightning's ModelParallelStrategy beside it (checked last): gloo pairs rank 0's all_reduce with
     # FSDP2's all-gather on rank 1 and aborts a process, or the run hangs until its limit
     with tempfile.TemporaryDirectory() as baseline_dir, ThreadPoolExecutor(max_workers=1) as pool:
@@ -133,8 +132,6 @@ def test_a_collective_on_one_rank_only_names_both_ranks_instead_of_crashing() ->
 
 
 def _guarded_runs_name_both_ranks() -> None:
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         proc = _run(Path(tmp), "model_parallel_sync", "guard", timeout=120)
         assert proc.returncode != 0

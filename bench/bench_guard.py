@@ -214,8 +214,7 @@ def main() -> None:
     # with SIGSEGV on gloo in torch 2.13 (DDP's Logger.set_construction_data_and_log), set before torch
     # starts or at run time alike.
     for devices in map(int, args.fit_worlds.split(",")):
-        base, guarded = "off", "on"
-        fit: dict[str, list[float]] = {base: [], guarded: []}
+        fit: dict[str, list[float]] = {"off": [], "on": []}
         paired: list[float] = []  # per process pair: its guarded fits over its unguarded ones (off, on, on, off)
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as tmp:
@@ -226,9 +225,9 @@ def main() -> None:
                 one = json.loads((Path(tmp) / "fit.json").read_text())
                 for k, v in one.items():
                     fit[k] += v
-                paired.append(sum(one[guarded]) / sum(one[base]))
+                paired.append(sum(one["on"]) / sum(one["off"]))
         for name, pick in (("median", statistics.median), ("best", min)):
-            s_off, s_on = (pick(fit[k]) for k in (base, guarded))
+            s_off, s_on = (pick(fit[k]) for k in ("off", "on"))
             print(f"{devices} ranks, MLP step + 1 sync_dist ({name} fit): off {s_off:.3f} ms  guard {s_on:.3f} ms "
                   f"({s_on / s_off:.3f}x)")
         # The steadiest figure: processes differ by up to +-20% in speed here, and a process's own

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sync import collectives
+from lightning_sync import collectives, direct
 from lightning_sync._compat.torch_api import (DDP_IGNORE_ATTR, all_gather_single, default_store, flight_recorder_dump,
                                              rank_not_in_group)
 from lightning_sync.errors import CollectiveMismatchError, LightningSyncError, RankMismatchError
@@ -95,6 +95,28 @@ class _Nothing:
 
 
 _NOTHING = _Nothing()
+
+
+class _DirectWaiter:
+    """What a blocked direct-channel exchange (:mod:`lightning_sync.direct`: SyncBatchNorm's statistics) asks the
+    guard: it counts as blocked in a collective for the watchdog, and ends on the guard's failure."""
+
+    def __init__(self, guard: CollectiveGuard) -> None:
+        self.guard = guard
+
+    def enter(self) -> Any:
+        recorder = self.guard._recorder
+        return recorder.enter(self.guard._stream) if recorder is not None else self
+
+    def poll(self) -> None:
+        failure = self.guard._failure()
+        if failure is not None:
+            raise failure
+
+    def leave(self, token: Any) -> None:
+        recorder = self.guard._recorder
+        if token is None and recorder is not None:
+            recorder.busy = None
 
 
 class CollectiveGuard:
@@ -173,6 +195,7 @@ class CollectiveGuard:
         self._monitor: Monitor | None = None
         self._exchange: Exchange | None = None
         self._interceptor: Interceptor | None = None
+        self._waiter: _DirectWaiter | None = None
         self._sites: CallSites | None = None
         self._stream = "w"
         self._rank = 0
@@ -361,6 +384,8 @@ class CollectiveGuard:
         self._interceptor = Interceptor(self)
         self._interceptor.install()
         collectives.register_guard(self._collectives_hook, self._collectives_mismatch)
+        self._waiter = _DirectWaiter(self)
+        direct.register_waiter(self._waiter)
         _active.add(self)
 
     def install_if_real(self, context: Callable[[], str | None] | None = None) -> bool:
@@ -387,6 +412,9 @@ class CollectiveGuard:
             self._interceptor.uninstall()
             self._interceptor = None
         collectives.unregister_guard(self._collectives_hook)
+        if self._waiter is not None:
+            direct.unregister_waiter(self._waiter)
+            self._waiter = None
         # (kept for the next install on this default group, unless this one failed: see _GroupCache)
         self._side_group = self._flags_group = None
         monitor, self._monitor = self._monitor, None

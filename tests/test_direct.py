@@ -1,0 +1,158 @@
+"""lightning_sync.direct: the ranks' direct channel, on real gloo groups of 2 and 3 processes."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_ranks
+
+
+def _gather_everything(rank: int, world: int) -> dict[str, Any]:
+    from lightning_sync import direct
+
+    ch = direct.channel()
+    assert ch is not None and direct.channel() is ch  # set up once per group
+    out: dict[str, Any] = {"rank": ch.rank, "world": ch.world}
+    for dtype in (torch.float64, torch.float32, torch.int64, torch.bool, torch.bfloat16):
+        block = (torch.arange(6).reshape(2, 3) * (rank + 1)).to(dtype)
+        out[str(dtype)] = ch.all_gather(block, f"test {dtype}")
+    out["empty"] = ch.all_gather(torch.empty(0, 4), "empty")
+    big = torch.full((200_000,), float(rank), dtype=torch.float64)  # 1.6 MB: past the socket buffers
+    gathered = ch.all_gather(big[: direct.MAX_BYTES // 8], "large")
+    out["large"] = [float(row.min()) == float(row.max()) == r for r, row in enumerate(gathered)]
+    # a subgroup gets a channel of its own, with ranks numbered inside it; outsiders get none
+    sub = dist.new_group([0, world - 1])
+    sub_ch = direct.channel(sub) if rank in (0, world - 1) else "outside"
+    if sub_ch != "outside":
+        assert sub_ch is not None and sub_ch is not ch
+        out["sub"] = sub_ch.all_gather(torch.tensor([rank]), "sub").tolist()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_returns_every_ranks_block_in_rank_order(world: int) -> None:
+    results = run_ranks(_gather_everything, world_size=world, timeout=60)
+    for rank, res in enumerate(results):
+        assert (res["rank"], res["world"]) == (rank, world)
+        for dtype in (torch.float64, torch.float32, torch.int64, torch.bool, torch.bfloat16):
+            want = torch.stack([(torch.arange(6).reshape(2, 3) * (r + 1)).to(dtype) for r in range(world)])
+            got = res[str(dtype)]
+            assert got.dtype == dtype and torch.equal(got, want), (rank, dtype, got)
+        assert res["empty"].shape == (world, 0, 4)
+        assert res["large"] == [True] * world
+        if rank in (0, world - 1):
+            assert res["sub"] == [[0], [world - 1]]
+
+
+def _different_exchanges(rank: int, world: int) -> list[str]:
+    from lightning_sync import direct
+
+    ch = direct.channel()
+    assert ch is not None
+    messages = []
+    started = time.monotonic()
+    try:  # the last rank is at another exchange, with a block of another size
+        if rank == world - 1:
+            ch.all_gather(torch.zeros(3), "SyncBatchNorm(3) gradient sums")
+        else:
+            ch.all_gather(torch.zeros(7, dtype=torch.float64), "SyncBatchNorm(3) statistics")
+    except Exception as err:  # noqa: BLE001 - the test asserts on it
+        messages.append(f"{type(err).__name__}: {err}")
+    try:  # the channel stays broken: the next exchange refuses at once instead of pairing stale bytes
+        ch.all_gather(torch.zeros(1), "after")
+    except Exception as err:  # noqa: BLE001
+        messages.append(f"{type(err).__name__}: {err}")
+    messages.append(f"{time.monotonic() - started:.1f}")
+    return messages
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_at_different_exchanges_raise_the_same_error_on_every_rank(world: int) -> None:
+    last = world - 1
+    for rank, (first, second, took) in enumerate(run_ranks(_different_exchanges, world_size=world, timeout=60)):
+        assert first.startswith("RankMismatchError: direct channel: the ranks reached different exchanges: "), first
+        assert f"rank {last} SyncBatchNorm(3) gradient sums (12 bytes)" in first, (rank, first)
+        assert "rank 0 SyncBatchNorm(3) statistics (56 bytes)" in first, (rank, first)
+        assert second.startswith("LightningSyncError: ") and "unusable" in second, (rank, second)
+        assert float(took) < 10, (rank, took)
+
+
+def _peer_dies(rank: int, world: int) -> str:
+    from lightning_sync import direct
+
+    ch = direct.channel()
+    assert ch is not None
+    ch.all_gather(torch.zeros(2), "warm-up")
+    if rank == 1:
+        # A forked child (as a data-loader worker is) keeps no copy of the connection open, so the peers
+        # see this rank's end close the moment the rank dies, not when the child does.
+        child = os.fork()
+        if child == 0:
+            time.sleep(30)
+            os._exit(0)
+        os._exit(3)
+    started = time.monotonic()
+    try:
+        ch.all_gather(torch.zeros(2), "after the death")
+        return "no error"
+    except Exception as err:  # noqa: BLE001 - the test asserts on it
+        return f"{time.monotonic() - started:.1f} {type(err).__name__}: {err}"
+
+
+def test_a_peer_that_dies_is_named_at_once() -> None:
+    outcomes = run_ranks(_peer_dies, world_size=2, timeout=60, expect_failure=True)
+    ok, message = outcomes[0]
+    assert ok, message
+    took, text = message.split(" ", 1)
+    assert text.startswith("LightningSyncError: rank 1 closed its direct connection to rank 0"), text
+    assert float(took) < 5, message
+    assert not outcomes[1][0]  # rank 1 exited with code 3
+
+
+def _switched_off_on_one_rank(rank: int, world: int) -> list[bool]:
+    from lightning_sync import direct
+
+    if rank == world - 1:
+        os.environ[direct.ENV] = "0"
+    try:
+        return [direct.channel() is None, direct.channel() is None]  # decided once per group
+    finally:
+        os.environ.pop(direct.ENV, None)
+
+
+def test_turned_off_on_one_rank_is_off_for_the_whole_group() -> None:
+    assert run_ranks(_switched_off_on_one_rank, world_size=3, timeout=60) == [[True, True]] * 3
+
+
+def _one_rank_skips_an_exchange(rank: int, world: int) -> str:
+    from lightning_sync import CollectiveGuard, direct
+
+    guard = CollectiveGuard(timeout=3)
+    guard.install()
+    started = time.monotonic()
+    try:
+        ch = direct.channel()
+        assert ch is not None
+        if rank == 0:  # rank 1 skipped this (a layer in eval mode on one rank, say) and went on
+            ch.all_gather(torch.zeros(3), "SyncBatchNorm(1) statistics")
+        dist.all_reduce(torch.zeros(1))
+        return "no error"
+    except Exception as err:  # noqa: BLE001 - the test asserts on it
+        return f"{time.monotonic() - started:.1f} {type(err).__name__}: {err}"
+    finally:
+        guard.uninstall(failed=True)
+
+
+def test_a_rank_that_never_comes_to_an_exchange_is_ended_by_the_guard() -> None:
+    # Without the guard both ranks would wait for each other: rank 0 in the channel, rank 1 in gloo.
+    results = run_ranks(_one_rank_skips_an_exchange, world_size=2, timeout=90, pg_timeout=60)
+    for rank, message in enumerate(results):
+        took, text = message.split(" ", 1)
+        assert "CollectiveMismatchError" in text, (rank, message)
+        assert float(took) < 30, (rank, message)

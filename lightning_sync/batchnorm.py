@@ -10,9 +10,12 @@ same semantics on any device:
   and every rank combines them with Chan's formula in float64 (no ``sum x**2 - (sum x)**2``
   cancellation, so a channel with ``|mean| / std = 300`` keeps its digits). Ranks may have different
   batch sizes, zero included (an empty rank still joins every collective);
-* training backward: ONE ``all_reduce`` of ``[sum dy, sum dy * xhat]`` per channel gives the input
-  gradient ``w * invstd * (dy - sum_dy / n - xhat * sum_dy_xhat / n)``; the weight and bias gradients
-  stay local (their sum over ranks is the full-batch gradient; DDP averages them);
+* training backward: ONE ``all_gather`` of ``[sum dy, sum dy * xhat]`` per channel, summed in rank
+  order on every rank, gives the input gradient ``w * invstd * (dy - sum_dy / n - xhat * sum_dy_xhat /
+  n)``; the weight and bias gradients stay local (their sum over ranks is the full-batch gradient;
+  DDP averages them);
+* both exchanges go over the ranks' direct channel (:mod:`lightning_sync.direct`) when every rank of
+  the group runs on one host, else through the group (gloo or NCCL);
 * running statistics use the unbiased global variance, as torch does, and are identical on every rank;
 * eval mode, and training without a process group (or with a group of one), run no collective and
   behave exactly like ``torch.nn.BatchNorm*d``;
@@ -230,14 +233,12 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
 
         grad_input = None
         if needs_input:
-            # Every rank joins this exchange, an empty one too, or its peers would wait forever.
+            # Every rank joins this exchange, an empty one too, or its peers would wait forever. Gathered and
+            # summed in rank order on every rank (not all-reduced): the same numbers over the direct channel
+            # and over gloo, so one host of 4 ranks and two hosts of 2 train bit for bit alike.
             combined = torch.cat([sum_dy, sum_dy_xhat])
-            ch = direct.channel(group) if combined.numel() * combined.element_size() <= direct.MAX_BYTES else None
-            if ch is not None:  # summed in rank order on every rank: the same result everywhere
-                combined = ch.all_gather(combined, f"SyncBatchNorm({channels}) gradient sums").sum(0).to(
-                    combined.device)
-            else:
-                dist.all_reduce(combined, group=group)
+            combined = _gather_rows(combined, group, dist.get_world_size(group),
+                                    f"SyncBatchNorm({channels}) gradient sums").sum(0)
             if local:
                 combined.div_(total)
                 mean_dy, mean_dy_xhat = combined[:channels], combined[channels:]

@@ -16,7 +16,7 @@ same network namespace (the same Linux boot id and network namespace), on a gloo
 the environment variable ``LIGHTNING_SYNC_DIRECT=0`` on any rank turns it off for the whole group.
 
 Every message carries a 64-byte header (its length, a checksum of what the caller says it is, and
-that description), so ranks at different exchanges get the same :class:`~lightning_sync.RankMismatchError`
+that description), so ranks at different exchanges get the same :class:`~lightning_sync.CollectiveMismatchError`
 naming each rank's exchange instead of pairing mismatched bytes, and a rank whose peer died or closed
 its end gets an error naming that rank instead of waiting forever. While it waits, the calling thread
 asks the registered waiter (the collective guard, see :func:`register_waiter`) every 0.1 s whether
@@ -43,9 +43,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sync._compat.torch_api import all_gather_single
-from lightning_sync.errors import LightningSyncError, RankMismatchError, format_ranks
+from lightning_sync.errors import CollectiveMismatchError, LightningSyncError, RankMismatchError, format_ranks
 
-__all__ = ["DirectChannel", "Waiter", "channel", "register_waiter", "unregister_waiter"]
+__all__ = ["DirectChannel", "Waiter", "channel", "existing", "register_waiter", "reset", "unregister_waiter"]
 
 #: The environment variable that turns the channel off (``0``) on every rank of a group.
 ENV = "LIGHTNING_SYNC_DIRECT"
@@ -56,7 +56,6 @@ _HEADER = struct.Struct("<qI52s")
 _SECRET = 16
 _SLICE = 0.1  # seconds between two looks at the waiter while blocked
 _SETUP_TIMEOUT = 30.0
-_PEER_GRACE = 0.5  # seconds a rank whose peer closed waits for the guard to name the cause
 
 
 class Waiter(Protocol):
@@ -70,6 +69,10 @@ class Waiter(Protocol):
 
     def leave(self, token: Any) -> None:
         """The wait is over."""
+
+    def explain(self, err: BaseException) -> BaseException:
+        """The error to raise for ``err`` (a peer closed its end, or the ranks met at different exchanges):
+        a better one where the waiter knows more (the failure a peer posted, which rank died, the call sites)."""
 
 
 _waiter: Waiter | None = None
@@ -114,6 +117,11 @@ class DirectChannel:
         _open.add(self)
         weakref.finalize(self, _close_sockets, list(peers.values()))
 
+    @property
+    def broken(self) -> bool:
+        """An exchange failed (a mismatch, a lost peer, the guard's failure): the channel is unusable."""
+        return self._broken is not None
+
     def close(self) -> None:
         """Close every socket (the peers then see this rank's end closed)."""
         self._broken = self._broken or "the channel was closed"
@@ -127,7 +135,8 @@ class DirectChannel:
         ``what`` (a short description, shown in errors); it blocks until every rank's block arrived.
 
         Raises:
-            RankMismatchError: on every rank, when the ranks' blocks differ in size or description.
+            CollectiveMismatchError: on every rank, when the ranks' blocks differ in size or description
+                (they reached different exchanges).
             LightningSyncError: a peer closed its end (it died, or tore down), or ``timeout`` passed.
         """
         src = tensor.detach()
@@ -205,10 +214,12 @@ class DirectChannel:
                     kinds[self.ranks[peer]] = f"{what} ({nbytes} bytes)"
                 else:
                     kinds[self.ranks[peer]] = "(its block had not arrived)"
-            raise RankMismatchError(
+            error = CollectiveMismatchError(
                 f"direct channel: the ranks reached different exchanges: {format_ranks(kinds)}. Every rank must "
                 "run the same synchronised layers and collectives in the same order (a rank-dependent branch, "
                 "a layer in eval mode on one rank only, or different models).", kinds)
+            # The guard knows more: every rank's last collectives and their call sites.
+            raise _waiter.explain(error) if _waiter is not None else error
 
     def _send(self, peer: int, sending: dict[int, list[memoryview]]) -> bool:
         parts = sending[peer]
@@ -258,19 +269,15 @@ class DirectChannel:
             if _waiter is not None:
                 _waiter.poll()
 
-    def _lost(self, peer: int, err: OSError | None) -> LightningSyncError:
-        # A peer that left because its run failed posted why to the guard first: give the guard a moment to
-        # hear it (a watchdog turn), and raise that, the cause, rather than the connection's end.
-        if _waiter is not None:
-            end = time.monotonic() + _PEER_GRACE
-            while time.monotonic() < end:
-                _waiter.poll()
-                time.sleep(0.02)
+    def _lost(self, peer: int, err: OSError | None) -> BaseException:
         why = f" ({err})" if err is not None else ""
-        return LightningSyncError(
+        error = LightningSyncError(
             f"rank {self.ranks[peer]} closed its direct connection to rank {self.ranks[self.rank]}{why}: that process "
             "ended (a crash, a signal, out of memory) or tore its process group down while this rank was still "
             f"synchronising with it. Look for rank {self.ranks[peer]}'s own error above.")
+        # A peer that left because its run failed posted why to the guard: that, the cause, beats the
+        # connection's end; and the guard can tell a dead process from one that raised.
+        return _waiter.explain(error) if _waiter is not None else error
 
 
 def _advance(parts: list[memoryview], n: int) -> None:
@@ -312,6 +319,34 @@ def channel(group: dist.ProcessGroup | None = None, timeout: float = 1800.0) -> 
     made = _setup(pg, timeout)
     _channels[pg] = made
     return made
+
+
+def existing(group: dist.ProcessGroup | None = None) -> DirectChannel | None:
+    """The channel :func:`channel` set up on ``group`` before, or ``None``; never a collective.
+
+    For callers that must not set one up where they stand (a check that may run on one rank only when
+    the program is wrong). Every rank of a group sets its channel up at the same call, so every rank
+    gets the same answer here."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return _channels.get(group if group is not None else dist.group.WORLD)
+    except TypeError:
+        return None
+
+
+def reset(group: dist.ProcessGroup | None = None) -> None:
+    """Close and forget ``group``'s channel: the next :func:`channel` sets one up anew. Every rank of the
+    group must call it at the same point (after a failure left the channel's streams misaligned)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        ch = _channels.pop(pg, None)
+    except TypeError:
+        return
+    if ch is not None:
+        ch.close()
 
 
 def _host_key() -> bytes | None:

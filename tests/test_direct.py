@@ -76,7 +76,7 @@ def _different_exchanges(rank: int, world: int) -> list[str]:
 def test_ranks_at_different_exchanges_raise_the_same_error_on_every_rank(world: int) -> None:
     last = world - 1
     for rank, (first, second, took) in enumerate(run_ranks(_different_exchanges, world_size=world, timeout=60)):
-        assert first.startswith("RankMismatchError: direct channel: the ranks reached different exchanges: "), first
+        assert first.startswith("CollectiveMismatchError: direct channel: the ranks reached different exchanges: "), first
         assert f"rank {last} SyncBatchNorm(3) gradient sums (12 bytes)" in first, (rank, first)
         assert "rank 0 SyncBatchNorm(3) statistics (56 bytes)" in first, (rank, first)
         assert second.startswith("LightningSyncError: ") and "unusable" in second, (rank, second)
@@ -130,7 +130,7 @@ def test_turned_off_on_one_rank_is_off_for_the_whole_group() -> None:
     assert run_ranks(_switched_off_on_one_rank, world_size=3, timeout=60) == [[True, True]] * 3
 
 
-def _one_rank_skips_an_exchange(rank: int, world: int) -> str:
+def _one_rank_skips_an_exchange(rank: int, world: int, then: str) -> str:
     from lightning_sync import CollectiveGuard, direct
 
     guard = CollectiveGuard(timeout=3)
@@ -141,7 +141,10 @@ def _one_rank_skips_an_exchange(rank: int, world: int) -> str:
         assert ch is not None
         if rank == 0:  # rank 1 skipped this (a layer in eval mode on one rank, say) and went on
             ch.all_gather(torch.zeros(3), "SyncBatchNorm(1) statistics")
-        dist.all_reduce(torch.zeros(1))
+        if then == "barrier":
+            dist.barrier()
+        else:  # a same-shape collective: the guard compares the ranks' shapes first, over the channel
+            dist.all_reduce(torch.zeros(1))
         return "no error"
     except Exception as err:  # noqa: BLE001 - the test asserts on it
         return f"{time.monotonic() - started:.1f} {type(err).__name__}: {err}"
@@ -149,10 +152,60 @@ def _one_rank_skips_an_exchange(rank: int, world: int) -> str:
         guard.uninstall(failed=True)
 
 
-def test_a_rank_that_never_comes_to_an_exchange_is_ended_by_the_guard() -> None:
+@pytest.mark.parametrize("then", ["barrier", "all_reduce"])
+def test_a_rank_that_skips_an_exchange_is_named_not_waited_for(then: str) -> None:
     # Without the guard both ranks would wait for each other: rank 0 in the channel, rank 1 in gloo.
-    results = run_ranks(_one_rank_skips_an_exchange, world_size=2, timeout=90, pg_timeout=60)
+    results = run_ranks(_one_rank_skips_an_exchange, world_size=2, args=(then,), timeout=90, pg_timeout=60)
     for rank, message in enumerate(results):
         took, text = message.split(" ", 1)
-        assert "CollectiveMismatchError" in text, (rank, message)
-        assert float(took) < 30, (rank, message)
+        if then == "barrier":  # rank 1 waits in gloo: the guard's timeout (3 s) names rank 0
+            assert "CollectiveMismatchError: rank(s) 0 did not reach guarded collective #0" in text, (rank, message)
+            assert float(took) < 30, (rank, message)
+        else:  # rank 1's shape check meets rank 0's exchange on the channel: both know at once
+            assert "MismatchError: direct channel: the ranks reached different exchanges: " in text, (rank, message)
+            assert "rank 0 SyncBatchNorm(1) statistics (12 bytes)" in text, (rank, message)
+            assert float(took) < 5, (rank, message)
+
+
+# ---------------------------------------------------------------- the guard with and without the channel
+
+
+def _guard_uses_the_channel(rank: int, world: int) -> dict[str, Any]:
+    from lightning_sync import CollectiveGuard, direct
+
+    with CollectiveGuard(timeout=10) as guard:
+        ch = guard._channel
+        flags = torch.tensor([rank + 1, 7 * rank])
+        guard.own_broadcast("step flags broadcast", "int64[2] src=0", flags)
+        dist.all_reduce(torch.ones(2))  # its shape comparison goes over the channel
+    return {"channel": ch is not None and ch is direct.existing(), "flags": flags.tolist(), "broken": ch.broken}
+
+
+def test_the_guards_exchanges_use_the_channel_set_up_at_install() -> None:
+    for r in run_ranks(_guard_uses_the_channel, 3, timeout=60):
+        assert r == {"channel": True, "flags": [1, 0], "broken": False}
+
+
+def _channel_off(rank: int, world: int, name: str, *args: Any) -> Any:
+    from lightning_sync import direct
+    from tests import test_guard
+
+    os.environ[direct.ENV] = "0"
+    return getattr(test_guard, name)(rank, world, *args)
+
+
+def test_the_guard_without_the_channel_checks_as_before() -> None:
+    """Ranks on several hosts (or LIGHTNING_SYNC_DIRECT=0): shapes through a gloo all-reduce, the closing line
+    through the store, confirmations and the step flags on the guard's own gloo groups."""
+    from tests.test_guard import _errors
+
+    for text in _errors(run_ranks(_channel_off, 2, args=("_mismatched_shapes", "all_reduce"), timeout=60,
+                                  expect_failure=True)):
+        assert text.startswith("CollectiveMismatchError") and "rank 0 (3, 2) float32 on cpu, rank 1 (4, 2)" in text
+    for text in _errors(run_ranks(_channel_off, 2, args=("_subgroup_other_line_last",), timeout=60,
+                                  expect_failure=True)):
+        assert "CollectiveMismatchError" in text and "call sites differ" in text, text
+    for r in run_ranks(_channel_off, 2, args=("_one_exchange",), timeout=90):
+        assert r["differ"] == [] and r["flags"] == [1, 0], r
+    r0, r1 = run_ranks(_channel_off, 2, args=("_correct_program",), timeout=60)
+    assert r0["agreed"] and r1["agreed"] and r0["checks"] == r1["checks"] == 24

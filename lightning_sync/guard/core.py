@@ -118,6 +118,11 @@ class _DirectWaiter:
         if token is None and recorder is not None:
             recorder.busy = None
 
+    def explain(self, err: BaseException) -> BaseException:
+        if isinstance(err, CollectiveMismatchError):
+            return self.guard._explain_exchange_mismatch(err)
+        return self.guard._explain(err)
+
 
 class CollectiveGuard:
     """Checks that every rank issues the same collectives; names the rank that does not.
@@ -196,6 +201,7 @@ class CollectiveGuard:
         self._exchange: Exchange | None = None
         self._interceptor: Interceptor | None = None
         self._waiter: _DirectWaiter | None = None
+        self._channel: direct.DirectChannel | None = None
         self._sites: CallSites | None = None
         self._stream = "w"
         self._rank = 0
@@ -283,8 +289,9 @@ class CollectiveGuard:
                 self._wait_confirmed(last[0], _CLOSING, stream)
 
     def _closing_agreed(self) -> bool:
-        """Every rank's world-stream sequence equal, known from one store exchange instead of the
-        watchdog's turns (~7 ms a trainer call here); ``False`` when it cannot be shown.
+        """Every rank's world-stream sequence equal, known from one exchange (over the direct channel, else
+        the store) instead of the watchdog's turns (~7 ms a trainer call here); ``False`` when it cannot be
+        shown.
 
         Each rank posts its next seq, a CRC32 of the fingerprints it still holds (the ring's last
         ``capacity``, the closing one included), whether its subgroups' streams are all compared, and
@@ -306,7 +313,26 @@ class CollectiveGuard:
         # subgroups' streams are not in the digest: the fast path holds only when each is compared already
         # (posted, so that every rank takes the same path)
         others = int(all(monitor.verified(s) >= recorder.next_seq(s) - 1 for s in recorder.streams() if s != "w"))
-        mine = f"{seq},{len(held)},{digest},{others},{monitor.verified('w')}"
+        ch = self._channel
+        rows: list[list[int]] | None
+        if ch is not None and not ch.broken:  # one exchange between the ranks, no store round trips
+            line = torch.tensor([seq, len(held), digest, others, monitor.verified("w")], dtype=torch.int64)
+            try:
+                rows = ch.all_gather(line, "guard closing check").tolist()
+            except LightningSyncError:
+                return False  # (the watchdog's path raises the failure, or names the rank that left)
+        else:
+            rows = self._closing_rows(f"{seq},{len(held)},{digest},{others},{monitor.verified('w')}")
+            if rows is None:
+                return False
+        return (all(row[:4] == rows[0][:4] for row in rows) and rows[0][3] == 1
+                and min(row[4] for row in rows) >= seq - len(held) - 1)
+
+    def _closing_rows(self, mine: str) -> list[list[int]] | None:
+        """Every rank's closing line through the store (no direct channel); ``None`` where the watchdog's
+        path must decide (a failure, the store gone)."""
+        recorder, monitor, exchange = self._recorder, self._monitor, self._exchange
+        assert recorder is not None and monitor is not None and exchange is not None
         self._closings += 1
         keys = [f"closing/{self._closings}/{r}" for r in range(dist.get_world_size())]
         store = exchange.store
@@ -316,7 +342,7 @@ class CollectiveGuard:
             woken, pause = 0.0, 0.0001
             while not store.check(keys):  # non-blocking: the watchdog shares this store client
                 if self._failure() is not None or not monitor.running:
-                    return False  # the watchdog's path raises its failure (or accepts a store host that left first)
+                    return None  # the watchdog's path raises its failure (or accepts a store host that left first)
                 now = time.monotonic()
                 if now - woken > 0.01:  # keep the watchdog turning while this rank waits, as checks do
                     monitor.wake()
@@ -325,14 +351,12 @@ class CollectiveGuard:
                 # often at first (a fixed 2 ms sleep cost the first rank ~1 ms a call on average), then back off
                 time.sleep(pause)
                 pause = min(2 * pause, 0.002)
-            rows = [[int(x) for x in bytes(v).decode().split(",")] for v in store.multi_get(keys)]
+            return [[int(x) for x in bytes(v).decode().split(",")] for v in store.multi_get(keys)]
         except RuntimeError:
-            return False  # the store stopped answering: the watchdog's path says why
+            return None  # the store stopped answering: the watchdog's path says why
         finally:
             if previous is None:
                 recorder.busy = None
-        return (all(row[:4] == rows[0][:4] for row in rows) and rows[0][3] == 1
-                and min(row[4] for row in rows) >= seq - len(held) - 1)
 
     def install(self, context: Callable[[], str | None] | None = None) -> None:
         """Start guarding: needs an initialised default process group; every rank must call it.
@@ -352,14 +376,19 @@ class CollectiveGuard:
         # ranks are new processes each job. So the highest count wins (one unguarded all-reduce, which
         # also tells every rank whether any rank's last install on this group failed: see _GroupCache).
         cache = _group_cache()
-        agreed = torch.tensor([_generation + 1, int(cache.dirty)], dtype=torch.int64,
-                              device=collectives._comm_device(None))
+        old = direct.existing()
+        agreed = torch.tensor([_generation + 1, int(cache.dirty or (old is not None and old.broken))],
+                              dtype=torch.int64, device=collectives._comm_device(None))
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         _generation, dirty = (int(x) for x in agreed.tolist())
         if dirty:
             cache.clients.clear()
             cache.groups = None
+            direct.reset()  # a failure can leave the channel's streams misaligned: every rank makes it anew
         cache.dirty = False
+        # The ranks' direct channel (one host, gloo), set up by the first install on this group: the guard's
+        # own small exchanges (closing check, step flags, confirmations) travel over it when there is one.
+        self._channel = direct.channel()
         self._cache = cache
         self._rank = dist.get_rank()
         self._depth = 0
@@ -417,6 +446,7 @@ class CollectiveGuard:
             self._waiter = None
         # (kept for the next install on this default group, unless this one failed: see _GroupCache)
         self._side_group = self._flags_group = None
+        self._channel = None
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
             monitor.leave()
@@ -513,6 +543,13 @@ class CollectiveGuard:
         ``ddp_sync``. Otherwise (and for a tensor not on the CPU) it is the guarded broadcast on the
         world group."""
         on_cpu = tensor.device.type == "cpu"
+        ch = self._channel
+        if ch is not None and on_cpu and self.active and not self._depth and not ch.broken:
+            # Over the direct channel (a transport nothing else of the program's uses, like the flags group):
+            # every rank sends its tensor, every rank keeps rank 0's. Compared by the watchdog, as below.
+            self._record(op, match, None, sys._getframe(1))
+            tensor.copy_(ch.all_gather(tensor, op)[0])
+            return
         group = self._flags_group if on_cpu and self.confirm_first and self.active and not self._depth else None
         if group is None:
             with self.guarded(op, match):
@@ -543,13 +580,17 @@ class CollectiveGuard:
             raw = payload.detach().to("cpu").reshape(-1).contiguous().view(torch.uint8)
             size = raw.numel()
             block[8:8 + size] = raw
-        every = torch.empty(world * _SIDE_BLOCK, dtype=torch.uint8)
-        self._depth += 1  # the exchange itself is not a user's collective
-        try:
-            all_gather_single(every, block, group=self._side_group)
-        finally:
-            self._depth -= 1
-        rows = every.view(world, _SIDE_BLOCK)
+        ch = self._channel
+        if ch is not None and not ch.broken:  # the direct channel is a transport of its own, like the side group
+            rows = ch.all_gather(block, "guard confirmation")
+        else:
+            every = torch.empty(world * _SIDE_BLOCK, dtype=torch.uint8)
+            self._depth += 1  # the exchange itself is not a user's collective
+            try:
+                all_gather_single(every, block, group=self._side_group)
+            finally:
+                self._depth -= 1
+            rows = every.view(world, _SIDE_BLOCK)
         tokens = rows[:, :8].contiguous().view(torch.int64).reshape(-1).tolist()
         if len(set(tokens)) > 1:
             raise self._collectives_mismatch(op, None, dict(enumerate(tokens)))
@@ -675,6 +716,24 @@ class CollectiveGuard:
         error.__cause__ = err
         monitor.fail(error)
         return error
+
+    def _explain_exchange_mismatch(self, err: CollectiveMismatchError) -> BaseException:
+        """Ranks met at different exchanges of the direct channel, which knows only what each exchange was.
+        Where the guard recorded the collectives around them, the watchdog's comparison names the call sites
+        within a turn or two: that error wins; else the channel's, which then fails the guard."""
+        monitor = self._monitor
+        if monitor is None:
+            return err
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            failure = self._failure()
+            if failure is not None:
+                failure.__cause__ = err
+                return failure
+            monitor.wake()
+            time.sleep(0.01)
+        monitor.fail(err, post=False, stack=False, may_exit=False)
+        return err
 
     def _check_layout(self, name: str, tensor: Tensor, group: Any) -> None:
         """Before a collective that needs one shape on every rank runs: compare the ranks' shapes and dtypes

@@ -221,9 +221,10 @@ def _same_everywhere(record: list[int], group: dist.ProcessGroup | None, device:
 
 def _channel(group: dist.ProcessGroup | None) -> direct.DirectChannel | None:
     """The group's direct channel when one was set up already (by the guard or SyncBatchNorm: never here,
-    where a wrong program may stand on one rank only) and still usable; every rank gets the same answer."""
-    ch = direct.existing(group)
-    return ch if ch is not None and not ch.broken else None
+    where a wrong program may stand on one rank only); every rank gets the same answer. A channel broken
+    by an earlier failure raises when used, on the rank that knows it is broken, rather than that rank
+    falling back to gloo while its peers wait on the channel."""
+    return direct.existing(group)
 
 
 def _global_ranks(group: dist.ProcessGroup | None) -> list[int]:

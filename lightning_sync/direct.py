@@ -43,14 +43,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sync._compat.torch_api import all_gather_single
-from lightning_sync.errors import CollectiveMismatchError, LightningSyncError, RankMismatchError, format_ranks
+from lightning_sync.errors import CollectiveMismatchError, LightningSyncError, format_ranks
 
-__all__ = ["DirectChannel", "Waiter", "channel", "existing", "register_waiter", "reset", "unregister_waiter"]
+__all__ = ["DirectChannel", "Waiter", "any_broken", "channel", "existing", "register_waiter", "reset",
+           "unregister_waiter"]
 
 #: The environment variable that turns the channel off (``0``) on every rank of a group.
 ENV = "LIGHTNING_SYNC_DIRECT"
-#: Blocks larger than this go through the process group: the channel is for latency-bound exchanges.
-MAX_BYTES = 1 << 20
+#: Blocks larger than this go through the process group: the channel is for latency-bound exchanges, and a
+#: block this size always fits in the sockets' buffers, so a rank that stops reading a mismatched peer never
+#: leaves that peer stuck sending (SyncBatchNorm's record: up to 4095 channels).
+MAX_BYTES = 1 << 16
 # length (int64), checksum of the description (uint32), the description (utf-8, zero-padded)
 _HEADER = struct.Struct("<qI52s")
 _SECRET = 16
@@ -196,8 +199,9 @@ class DirectChannel:
                         f"{what!r} for ranks that never sent their block; every rank of the group must make the "
                         "same exchanges (the same synchronised layers in training mode, in the same order).")
         except BaseException as err:
-            if not isinstance(err, RankMismatchError):
-                self._broken = self._broken or f"{type(err).__name__} during {what!r}"
+            # Left halfway (the guard's failure, a lost peer, an interrupt): this rank's block may sit unread
+            # at its peers and theirs here, so the streams no longer line up. Never used again.
+            self._broken = self._broken or f"{type(err).__name__} during {what!r}"
             raise
         finally:
             if waiting and _waiter is not None:
@@ -335,18 +339,18 @@ def existing(group: dist.ProcessGroup | None = None) -> DirectChannel | None:
         return None
 
 
-def reset(group: dist.ProcessGroup | None = None) -> None:
-    """Close and forget ``group``'s channel: the next :func:`channel` sets one up anew. Every rank of the
-    group must call it at the same point (after a failure left the channel's streams misaligned)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    pg = group if group is not None else dist.group.WORLD
-    try:
-        ch = _channels.pop(pg, None)
-    except TypeError:
-        return
-    if ch is not None:
+def any_broken() -> bool:
+    """Whether an exchange on any of this process's channels failed (see :func:`reset`)."""
+    return any(ch.broken for ch in list(_open))
+
+
+def reset() -> None:
+    """Close and forget every channel of this process: the next :func:`channel` on a group sets one up
+    anew. Every rank must call it at the same point (after a failure that may have left a channel's
+    streams misaligned, on any group)."""
+    for ch in list(_open):
         ch.close()
+    _channels.clear()
 
 
 def _host_key() -> bytes | None:
@@ -403,11 +407,16 @@ def _setup(group: Any, timeout: float) -> DirectChannel | None:
         if listener is not None:
             listener.close()
         listener = None
-    if not _agreed(listener is not None, group):
+    try:
+        listening = _agreed(listener is not None, group)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
+    if not listening or listener is None:
         if listener is not None:
             listener.close()
         return None
-    assert listener is not None
     peers: dict[int, socket.socket] = {}
     ok = True
     try:
@@ -421,8 +430,12 @@ def _setup(group: Any, timeout: float) -> DirectChannel | None:
         while len(peers) < world - 1:  # accept every higher rank; drop anyone who does not know the secret
             listener.settimeout(max(deadline - time.monotonic(), 0.001))
             sock, _ = listener.accept()
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            hello = _read_exactly(sock, _SECRET + 4)
+            try:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                hello = _read_exactly(sock, _SECRET + 4)
+            except OSError:
+                sock.close()
+                raise
             peer = int.from_bytes(hello[_SECRET:], "little")
             if hello[:_SECRET] != secret or not rank < peer < world or peer in peers:
                 sock.close()
@@ -432,7 +445,12 @@ def _setup(group: Any, timeout: float) -> DirectChannel | None:
         ok = False
     finally:
         listener.close()
-    if not _agreed(ok, group):
+    try:
+        connected = _agreed(ok, group)
+    except BaseException:
+        _close_sockets(list(peers.values()))
+        raise
+    if not connected:
         _close_sockets(list(peers.values()))
         return None
     for sock in peers.values():

@@ -209,3 +209,38 @@ def test_the_guard_without_the_channel_checks_as_before() -> None:
         assert r["differ"] == [] and r["flags"] == [1, 0], r
     r0, r1 = run_ranks(_channel_off, 2, args=("_correct_program",), timeout=60)
     assert r0["agreed"] and r1["agreed"] and r0["checks"] == r1["checks"] == 24
+
+
+def _exchange_cut_short_then_a_new_guard(rank: int, world: int) -> dict[str, Any]:
+    from lightning_sync import CollectiveGuard, LightningSyncError, direct
+
+    sub, spare = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    guard = CollectiveGuard(timeout=2)
+    guard.install()
+    old = direct.channel(sub)
+    assert old is not None
+    try:
+        if rank == 1:  # its block reaches rank 0, which never reads it: rank 0 waits elsewhere instead
+            old.all_gather(torch.tensor([111]), "SyncBatchNorm(1) statistics")
+        else:  # on a group of its own: a gloo collective given up stays pending in its group for good
+            dist.barrier(group=spare)
+        raised = "nothing"
+    except LightningSyncError as err:
+        raised = type(err).__name__
+    finally:
+        guard.uninstall(failed=True)
+    guard = CollectiveGuard(timeout=10)
+    guard.install()  # agrees that a run failed: every channel, the subgroup's too, is made anew
+    try:
+        new = direct.channel(sub)
+        assert new is not None
+        got = new.all_gather(torch.tensor([rank]), "SyncBatchNorm(1) statistics").tolist()
+    finally:
+        guard.uninstall()
+    return {"raised": raised, "old_closed": old.broken, "fresh": new is not old, "got": got}
+
+
+def test_a_channel_left_mid_exchange_is_made_anew_by_the_next_guard() -> None:
+    # rank 0 holds rank 1's unread block from the failed run: reused, the next exchange would read it
+    for r in run_ranks(_exchange_cut_short_then_a_new_guard, 2, timeout=90, pg_timeout=60):
+        assert r == {"raised": "CollectiveMismatchError", "old_closed": True, "fresh": True, "got": [[0], [1]]}, r

@@ -315,7 +315,7 @@ class CollectiveGuard:
         others = int(all(monitor.verified(s) >= recorder.next_seq(s) - 1 for s in recorder.streams() if s != "w"))
         ch = self._channel
         rows: list[list[int]] | None
-        if ch is not None and not ch.broken:  # one exchange between the ranks, no store round trips
+        if ch is not None:  # one exchange between the ranks, no store round trips
             line = torch.tensor([seq, len(held), digest, others, monitor.verified("w")], dtype=torch.int64)
             try:
                 rows = ch.all_gather(line, "guard closing check").tolist()
@@ -376,15 +376,14 @@ class CollectiveGuard:
         # ranks are new processes each job. So the highest count wins (one unguarded all-reduce, which
         # also tells every rank whether any rank's last install on this group failed: see _GroupCache).
         cache = _group_cache()
-        old = direct.existing()
-        agreed = torch.tensor([_generation + 1, int(cache.dirty or (old is not None and old.broken))],
+        agreed = torch.tensor([_generation + 1, int(cache.dirty or direct.any_broken())],
                               dtype=torch.int64, device=collectives._comm_device(None))
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         _generation, dirty = (int(x) for x in agreed.tolist())
         if dirty:
             cache.clients.clear()
             cache.groups = None
-            direct.reset()  # a failure can leave the channel's streams misaligned: every rank makes it anew
+            direct.reset()  # a failure can leave a channel's streams misaligned: every rank makes them anew
         cache.dirty = False
         # The ranks' direct channel (one host, gloo), set up by the first install on this group: the guard's
         # own small exchanges (closing check, step flags, confirmations) travel over it when there is one.
@@ -544,7 +543,7 @@ class CollectiveGuard:
         world group."""
         on_cpu = tensor.device.type == "cpu"
         ch = self._channel
-        if ch is not None and on_cpu and self.active and not self._depth and not ch.broken:
+        if ch is not None and on_cpu and self.active and not self._depth:
             # Over the direct channel (a transport nothing else of the program's uses, like the flags group):
             # every rank sends its tensor, every rank keeps rank 0's. Compared by the watchdog, as below.
             self._record(op, match, None, sys._getframe(1))
@@ -581,7 +580,7 @@ class CollectiveGuard:
             size = raw.numel()
             block[8:8 + size] = raw
         ch = self._channel
-        if ch is not None and not ch.broken:  # the direct channel is a transport of its own, like the side group
+        if ch is not None:  # the direct channel is a transport of its own, like the side group
             rows = ch.all_gather(block, "guard confirmation")
         else:
             every = torch.empty(world * _SIDE_BLOCK, dtype=torch.uint8)
@@ -732,7 +731,7 @@ class CollectiveGuard:
                 return failure
             monitor.wake()
             time.sleep(0.01)
-        monitor.fail(err, post=False, stack=False, may_exit=False)
+        monitor.fail(err, stack=False)  # posted: ranks outside the exchange learn the cause too
         return err
 
     def _check_layout(self, name: str, tensor: Tensor, group: Any) -> None:

@@ -411,6 +411,17 @@ def test_strategy_arguments() -> None:
         CollectiveGuard(timeout=0)
 
 
+def test_reduce_before_the_process_group_exists_returns_the_value_as_lightnings_ddp() -> None:
+    # Lightning's own tests call fit_loop.setup_data() (strategy.reduce of each loader's length) on a Trainer
+    # that never launched (utilities/test_combined_loader.py); Lightning's DDPStrategy returns the value.
+    import lightning as L
+
+    for name in ("ddp", "ddp_sync"):
+        trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+        assert not dist.is_initialized()
+        assert trainer.strategy.reduce(torch.tensor(7), reduce_op="sum").item() == 7, name
+
+
 # ---------------------------------------------------------------------------------------- Trainer scenarios
 
 

@@ -191,7 +191,8 @@ class SyncStrategyMixin:
     def _guarded_reduce(self, tensor: Any, group: Any | None, reduce_op: Any) -> Any:
         # One guarded check for Lightning's barrier + all_reduce pair (self.log(sync_dist=True)).
         guard = self.part(GuardPart)
-        if guard is None or guard.guard is None or not isinstance(tensor, Tensor):
+        if (guard is None or guard.guard is None or not isinstance(tensor, Tensor)
+                or not (dist.is_available() and dist.is_initialized())):  # (Lightning's: the value as it is)
             return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
         op = reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1].lower()
         match = f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(map(str, tensor.shape))}] op={op}"

@@ -273,3 +273,14 @@ def test_a_rank_dying_while_last_ckpt_is_overwritten_leaves_it_skipped_and_the_r
         assert resumed[r]["steps"] == full[r]["steps"][10:], f"rank {r}"
     a, b = torch.load(tmp_path / "full" / "full.pt"), torch.load(tmp_path / "tornresume" / "full.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_broadcast_calls_lightnings_as_lightnings_own_callers_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lightning's tests patch ModelParallelStrategy.broadcast with a one-argument stand-in
+    # (strategies/test_model_parallel.py::test_save_checkpoint_path_exists); src=0 is not passed on
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    import lightning_sync as ls
+
+    monkeypatch.setattr(ModelParallelStrategy, "broadcast", lambda _, x: x)
+    assert ls.SyncModelParallelStrategy().broadcast("path") == "path"

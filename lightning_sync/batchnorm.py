@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from lightning_sync import collectives, direct
-from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, BatchNormBase, TorchSyncBatchNormFunction, all_gather_single
+from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, BatchNormBase, TorchSyncBatchNormFunction
 from lightning_sync.errors import RankMismatchError, format_ranks
 
 __all__ = [
@@ -117,20 +117,6 @@ def _local_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     return mean, var
 
 
-def _gather_rows(record: Tensor, group: dist.ProcessGroup, world_size: int, what: str) -> Tensor:
-    """Every rank's ``record`` (a 1-D tensor of the same size everywhere), ``[world, n]`` in rank order.
-
-    Over the group's direct channel where there is one (every rank on one host, gloo: a few tens of
-    microseconds instead of a gloo collective's hundreds, see :mod:`lightning_sync.direct`), else one
-    ``all_gather`` on the group. Every rank takes the same path (the channel is agreed per group)."""
-    ch = direct.channel(group) if record.numel() * record.element_size() <= direct.MAX_BYTES else None
-    if ch is not None:
-        return ch.all_gather(record, what).to(record.device)
-    gathered = torch.empty(world_size * record.numel(), dtype=record.dtype, device=record.device)
-    all_gather_single(gathered, record, group=group)
-    return gathered.view(world_size, -1)
-
-
 def _stats_label(channels: int) -> str:
     return f"SyncBatchNorm({channels}) statistics"
 
@@ -159,7 +145,8 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
             record = torch.cat([mean64.new_full((1,), local_count), mean64, var.double().mul_(local_count)])
         else:
             record = torch.zeros(2 * channels + 1, dtype=torch.float64, device=input.device)
-        gathered = _gather_rows(record, group, world_size, _stats_label(channels))
+        # over the ranks' direct channel when they share a host (tens of microseconds, not gloo's hundreds)
+        gathered = direct.all_gather_rows(record, group, _stats_label(channels))
 
         counts = gathered[:, 0]
         if bool((counts < 0).any()):  # a rank's input was refused (see SyncBatchNorm.forward): raise it here too
@@ -237,8 +224,7 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
             # summed in rank order on every rank (not all-reduced): the same numbers over the direct channel
             # and over gloo, so one host of 4 ranks and two hosts of 2 train bit for bit alike.
             combined = torch.cat([sum_dy, sum_dy_xhat])
-            combined = _gather_rows(combined, group, dist.get_world_size(group),
-                                    f"SyncBatchNorm({channels}) gradient sums").sum(0)
+            combined = direct.all_gather_rows(combined, group, f"SyncBatchNorm({channels}) gradient sums").sum(0)
             if local:
                 combined.div_(total)
                 mean_dy, mean_dy_xhat = combined[:channels], combined[channels:]
@@ -369,7 +355,7 @@ class SyncBatchNorm(BatchNormBase):
             portable = self._device().type != "cuda" or "gloo" in str(dist.get_backend(group)).lower()
             if problem is not None and portable:  # join this step's statistics exchange with a flag, then explain
                 flag = torch.full((2 * self.num_features + 1,), -1.0, dtype=torch.float64, device=self._device())
-                _gather_rows(flag, group, dist.get_world_size(group), _stats_label(self.num_features))
+                direct.all_gather_rows(flag, group, _stats_label(self.num_features))
                 _raise_input_problems(problem, group)
             if problem is not None:  # torch's NCCL kernels: no room for a flag in their exchange
                 raise ValueError(problem)

@@ -181,15 +181,9 @@ def _exchange(record: list[int], group: dist.ProcessGroup | None, device: torch.
         record[_I_SITE] = token
     elif _guard_hook is not None:
         record[_I_SITE] = _guard_hook(_CALLS[record[_I_CALL]], group)
-    world = dist.get_world_size(group)
     mine = torch.tensor(record, dtype=torch.int64, device=device)
-    ch = _channel(group)
-    if ch is not None:
-        records = ch.all_gather(mine, "lightning_sync.collectives metadata").tolist()
-    else:
-        out = torch.empty(world * _META_LEN, dtype=torch.int64, device=device)
-        _all_gather_single(out, mine, group=group)
-        records = out.view(world, _META_LEN).tolist()
+    # over a direct channel set up before (never here: see _channel), else gloo's all_gather
+    records = direct.all_gather_rows(mine, group, "lightning_sync.collectives metadata", set_up=False).tolist()
     tokens = [rec[_I_SITE] for rec in records]
     if _guard_explain is not None and len(set(tokens)) > 1 and min(tokens) > 0:
         raise _guard_explain(_CALLS[record[_I_CALL]], group, dict(zip(_global_ranks(group), tokens)))

@@ -45,8 +45,8 @@ from torch import Tensor
 from lightning_sync._compat.torch_api import all_gather_single
 from lightning_sync.errors import CollectiveMismatchError, LightningSyncError, format_ranks
 
-__all__ = ["DirectChannel", "Waiter", "any_broken", "channel", "existing", "register_waiter", "reset",
-           "unregister_waiter"]
+__all__ = ["DirectChannel", "Waiter", "all_gather_rows", "any_broken", "channel", "existing", "register_waiter",
+           "reset", "unregister_waiter"]
 
 #: The environment variable that turns the channel off (``0``) on every rank of a group.
 ENV = "LIGHTNING_SYNC_DIRECT"
@@ -325,6 +325,25 @@ def channel(group: dist.ProcessGroup | None = None, timeout: float = 1800.0) -> 
     return made
 
 
+def all_gather_rows(record: Tensor, group: dist.ProcessGroup | None, what: str, set_up: bool = True) -> Tensor:
+    """Every rank's ``record`` (1-D, the same size on every rank), ``[world, n]`` in rank order, on
+    ``record``'s device: over the group's channel where there is one, else one ``all_gather`` on the group.
+    Every rank of the group must call it, and every rank takes the same path.
+
+    Args:
+        set_up: the group's first exchange may set its channel up (a collective, see :func:`channel`);
+            ``False``: only a channel set up before is used (see :func:`existing`).
+    """
+    small = record.numel() * record.element_size() <= MAX_BYTES
+    ch = (channel(group) if set_up else existing(group)) if small else None
+    if ch is not None:
+        return ch.all_gather(record, what).to(record.device)
+    world = dist.get_world_size(group)
+    gathered = torch.empty(world * record.numel(), dtype=record.dtype, device=record.device)
+    all_gather_single(gathered, record, group=group)
+    return gathered.view(world, -1)
+
+
 def existing(group: dist.ProcessGroup | None = None) -> DirectChannel | None:
     """The channel :func:`channel` set up on ``group`` before, or ``None``; never a collective.
 
@@ -395,7 +414,7 @@ def _setup(group: Any, timeout: float) -> DirectChannel | None:
     if not bool(rows[:, 0].all()) or not bool((rows[:, 1:17] == rows[0, 1:17]).all()):
         return None
     secret = bytes(rows[0, 17:].tolist())
-    ranks = dist.get_process_group_ranks(group) if group is not dist.group.WORLD else list(range(world))
+    ranks = dist.get_process_group_ranks(group)
 
     listener: socket.socket | None = None
     try:

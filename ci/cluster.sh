@@ -50,15 +50,24 @@ cmd_install() {
   local missing=0 t
   for t in "${tools[@]}"; do command -v "$t" >/dev/null 2>&1 || missing=1; done
   [ "$missing" = 0 ] && return 0
+  # Two test workers may install at once (each claims its own cluster): one installs, the other waits for it
+  # here and finds the tools; apt-get itself waits up to 5 min for a dpkg lock held by any other apt process.
+  exec 9>/tmp/lsync-cluster-install.lock
+  flock 9
+  missing=0
+  for t in "${tools[@]}"; do command -v "$t" >/dev/null 2>&1 || missing=1; done
+  if [ "$missing" = 0 ]; then exec 9>&-; return 0; fi
   local pkgs=(slurm-wlm iproute2 util-linux coreutils)
+  local apt=(apt-get -o DPkg::Lock::Timeout=300)
   echo "cluster.sh: installing ${pkgs[*]} with apt-get ..." >&2
   export DEBIAN_FRONTEND=noninteractive
-  if ! apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >"/tmp/lsync-cluster-install.log" 2>&1; then
+  if ! "${apt[@]}" install -y -qq --no-install-recommends "${pkgs[@]}" >"/tmp/lsync-cluster-install.log" 2>&1; then
     # package lists missing or stale: refresh once, then retry
-    apt-get update -qq >>"/tmp/lsync-cluster-install.log" 2>&1 || true
-    apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >>"/tmp/lsync-cluster-install.log" 2>&1 \
+    "${apt[@]}" update -qq >>"/tmp/lsync-cluster-install.log" 2>&1 || true
+    "${apt[@]}" install -y -qq --no-install-recommends "${pkgs[@]}" >>"/tmp/lsync-cluster-install.log" 2>&1 \
       || { tail -20 /tmp/lsync-cluster-install.log >&2; die "apt-get install ${pkgs[*]} failed (log above)."; }
   fi
+  exec 9>&-
   for t in "${tools[@]}"; do command -v "$t" >/dev/null 2>&1 || die "'$t' still missing after installing ${pkgs[*]}."; done
 }
 

@@ -304,6 +304,39 @@ def test_confirm_first_exchange_against_another_call_raises_on_every_rank() -> N
     assert time.monotonic() - start < 40  # at once (guard timeout 10 s), not after it
 
 
+def _strategy_calls_over_the_channel(rank: int, world: int, direct_env: str) -> dict:
+    """The strategy's own barrier and object broadcasts as the guard runs them over the direct channel: a small
+    object from rank 0 and from the last rank, one too large for the channel (the process group carries it),
+    each recorded once; with the channel off (LIGHTNING_SYNC_DIRECT=0) they do not apply."""
+    os.environ["LIGHTNING_SYNC_DIRECT"] = direct_env
+    big = bytes(range(256)) * 400  # 100 KiB: past direct.MAX_BYTES
+    with CollectiveGuard(timeout=10) as guard:
+        before = guard.checks
+        barrier = guard.own_barrier()
+        small = guard.own_broadcast_object({"rank": rank, "epoch": [1, 2]} if rank == 0 else None)
+        last = guard.own_broadcast_object(f"from {rank}", src=world - 1)
+        large = guard.own_broadcast_object(big if rank == 1 else b"", src=1)
+        checks = guard.checks - before
+        try:  # an object rank 0 cannot pickle: every rank is told, none waits for its bytes
+            unpicklable = str(guard.own_broadcast_object(lambda: 1 if rank == 0 else None))
+        except ls.LightningSyncError as err:
+            unpicklable = str(err)
+        after = guard.own_broadcast_object(rank)  # the channel is still in step
+    return {"barrier": barrier, "small": small, "last": last, "large_ok": large is not None and large[0] == big,
+            "large": large is not None, "checks": checks, "unpicklable": "could not pickle" in unpicklable,
+            "after": after}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_strategy_barrier_and_broadcast_travel_over_the_direct_channel(world: int) -> None:
+    for r in run_ranks(_strategy_calls_over_the_channel, world, args=("1",), timeout=90):
+        assert r == {"barrier": True, "small": [{"rank": 0, "epoch": [1, 2]}], "last": [f"from {world - 1}"],
+                     "large_ok": True, "large": True, "checks": 4, "unpicklable": True, "after": [0]}
+    for r in run_ranks(_strategy_calls_over_the_channel, 2, args=("0",), timeout=90):
+        assert r == {"barrier": False, "small": None, "last": None, "large_ok": False, "large": False, "checks": 0,
+                     "unpicklable": False, "after": None}
+
+
 def _errors(outcomes: list) -> list[str]:
     assert all(not ok for ok, _ in outcomes), outcomes
     return [text for _, text in outcomes]

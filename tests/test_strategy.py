@@ -152,3 +152,45 @@ def test_barrierless_sync_dist_reduce_matches_lightnings_on_every_op_and_dtype()
     from tests.distributed import run_ranks
 
     assert run_ranks(_barrierless_reduce_equals_lightnings, 2, timeout=60) == [[], []]
+
+
+CALLS = Path(__file__).parent / "scripts" / "calls_after_fit.py"
+
+
+def _calls_after_fit(out: Path, *args: str) -> list[dict]:
+    proc = subprocess.run(["timeout", "-k", "5", "240", sys.executable, str(CALLS), "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=260)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_trainer_calls_after_fit_sync_over_the_direct_channel(tmp_path: Path) -> None:
+    """Issue 21, point 2: validate/test/predict after fit. Lightning's barriers, its sync_dist reductions and its
+    object broadcasts travel over the ranks' direct channel under ddp_sync (one gloo collective a call: the
+    guard's start-up agreement) where ddp makes ~8-14 gloo collectives; the values are those of ddp where the
+    exact evaluation changes nothing (a max), and the same on every rank and in every repeated call."""
+    ours, theirs = _calls_after_fit(tmp_path / "ours"), _calls_after_fit(tmp_path / "ddp", "--strategy", "ddp")
+    for r in ours + theirs:
+        assert "error" not in r, r["error"]
+    for call in ("validate", "test", "predict", "validate_again"):
+        assert all(r[call]["collectives"] <= 1 for r in ours), [r[call]["collectives"] for r in ours]
+        assert all(r[call]["collectives"] >= 5 for r in theirs), [r[call]["collectives"] for r in theirs]
+    assert ours[0]["validate"]["value"] == ours[1]["validate"]["value"] == ours[0]["validate_again"]["value"]
+    assert ours[0]["validate"]["value"][0]["val_max"] == theirs[0]["validate"]["value"][0]["val_max"]
+    assert ours[0]["test"]["value"] == ours[1]["test"]["value"]
+    # the same weights after fit; every sample predicted once (ddp's sampler repeats one to even the ranks out)
+    predicted = ours[0]["predict"]["value"] + ours[1]["predict"]["value"]
+    assert len(predicted) == 101
+    expected = sorted(set(theirs[0]["predict"]["value"] + theirs[1]["predict"]["value"]))
+    assert sorted(predicted) == pytest.approx(expected, rel=1e-6, abs=1e-6)  # other batches: another last bit
+
+
+@pytest.mark.slow
+def test_strategy_collectives_at_different_calls_fail_every_rank_at_once(tmp_path: Path) -> None:
+    """Rank 0 in trainer.strategy.barrier(), rank 1 in trainer.strategy.broadcast(): over the direct channel the
+    two calls' tokens meet in one exchange, and every rank raises the guard's error naming both call sites."""
+    for r in _calls_after_fit(tmp_path, "--mismatch"):
+        assert r["error"]["type"] == "CollectiveMismatchError", r["error"]
+        assert "rank 0 at calls_after_fit.py" in r["error"]["message"] and ": strategy.barrier;" in r["error"]["message"]
+        assert "strategy.broadcast src=0" in r["error"]["message"]

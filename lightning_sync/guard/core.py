@@ -509,29 +509,93 @@ class CollectiveGuard:
             self._wait_confirmed(fp, op)
 
     def exchange(self, op: str, match: str, payload: Tensor, group: Any = None) -> Tensor | None:
-        """One guarded collective that is checked and carries its data in a single round trip: with
-        ``confirm_first`` on gloo, every rank's token of the call and ``payload`` (at most
-        ``SIDE_PAYLOAD`` bytes, the same dtype and shape on every rank) are all-gathered together on the
-        guard's own group. Returns every rank's payload, ``[world, *payload.shape]`` in rank order (on
+        """One guarded collective that is checked and carries its data in a single round trip: on gloo,
+        every rank's token of the call and ``payload`` (at most ``SIDE_PAYLOAD`` bytes, the same dtype
+        and shape on every rank) are all-gathered together over the ranks' direct channel (one host), or
+        on ``confirm_first``'s own group. Returns every rank's payload, ``[world, *payload.shape]`` in rank order (on
         the CPU), after the tokens were compared (a mismatch raises on every rank, as a check does).
 
         Returns ``None``, having recorded nothing, where it does not apply (the guard off or inside a
-        guarded operation, no ``confirm_first``, not on gloo, a subgroup, a payload too large or of bool
-        dtype); the caller then runs its usual guarded collective. The choice depends only on what the
+        guarded operation, neither a direct channel nor ``confirm_first``, not on gloo, a subgroup, a
+        payload too large or of bool dtype); the caller then runs its usual guarded collective. The choice depends only on what the
         token holds (op, dtype, shape) and on settings every rank shares, so every rank of a matching call
         takes the same path, and ranks at different calls meet in the same 64-byte exchange and are
         told apart by their tokens. For the strategy's own small values (a ``self.log(sync_dist=True)``
         value): one collective where a check and the call make two. ``match`` must name the payload's
         dtype and shape."""
-        side = self._side_group
-        if (side is None or self._depth or not self.confirm_first or not self.active
-                or not (group is None or group is dist.GroupMember.WORLD) or not _on_gloo(group)
-                or payload.dtype == torch.bool or payload.numel() * payload.element_size() > SIDE_PAYLOAD):
+        if (not self._own_transport() or not (group is None or group is dist.GroupMember.WORLD)
+                or not _on_gloo(group) or payload.dtype == torch.bool
+                or payload.numel() * payload.element_size() > SIDE_PAYLOAD):
             return None
         fp = self._record(op, match, group, sys._getframe(1))
         if fp is None:
             return None
         return self._side_exchange(fp, op, payload)
+
+    def own_barrier(self) -> bool:
+        """The strategy's barrier (Lightning's ``strategy.barrier``) as one exchange of every rank's token over
+        the ranks' direct channel: ranks at different calls are told apart at once, and it costs a tenth of
+        gloo's barrier (measured: bench/bench_calls.py). Returns False where it does not apply (no direct
+        channel, the guard off or inside a guarded operation); the caller then runs its usual barrier.
+        Every rank takes the same path: the channel exists on every rank of the world or on none."""
+        if self._channel is None or not self.active or self._depth:
+            return False
+        if self._refusal is not None:
+            self._refuse("torch.distributed.barrier", sys._getframe(2))
+        fp = self._record("strategy.barrier", "", None, sys._getframe(1))
+        if fp is None:
+            return False
+        self._side_exchange(fp, "strategy.barrier", None)
+        return True
+
+    def own_broadcast_object(self, obj: Any, src: int = 0) -> list[Any] | None:
+        """The strategy's broadcast of a picklable object from global rank ``src`` (Lightning's
+        ``strategy.broadcast``) over the ranks' direct channel: every rank's token and the pickle's length
+        in one exchange, then the pickle (every rank sends a block of that length, each keeps ``src``'s);
+        one past ``direct.MAX_BYTES`` goes through ``broadcast_object_list`` on the world group instead,
+        already checked. ``src`` keeps its own object, as with ``broadcast_object_list``. Returns
+        ``[object]``, or None where it does not apply (as :meth:`own_barrier`)."""
+        ch = self._channel
+        if ch is None or not self.active or self._depth:
+            return None
+        fp = self._record("strategy.broadcast", f"src={src}", None, sys._getframe(1))
+        if fp is None:
+            return None
+        data, unpicklable = b"", None
+        if self._rank == src:
+            try:
+                data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as err:  # noqa: BLE001 - every rank is told, instead of waiting for the bytes
+                unpicklable = err
+        length = -1 if unpicklable is not None else len(data)
+        rows = self._side_exchange(fp, "strategy.broadcast", torch.tensor([length], dtype=torch.int64))
+        assert rows is not None
+        size = int(rows[src, 0])
+        if size < 0:
+            raise LightningSyncError(
+                f"rank {self._rank}: strategy.broadcast from rank {src}: rank {src} could not pickle the object "
+                f"({f'{type(unpicklable).__name__}: {unpicklable}' if unpicklable else 'its own error says why'}); "
+                "broadcast only picklable objects (plain Python values, tensors).") from unpicklable
+        if size > direct.MAX_BYTES:
+            box = [obj]
+            self._depth += 1  # checked above: run (waited for in slices) by the interceptor, not recorded again
+            try:
+                dist.broadcast_object_list(box, src=src)
+            finally:
+                self._depth -= 1
+            return box
+        block = torch.zeros(size, dtype=torch.uint8)
+        if self._rank == src and size:
+            block.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        got = ch.all_gather(block, "strategy.broadcast")[src]
+        return [obj if self._rank == src else pickle.loads(got.numpy().tobytes())]
+
+    def _own_transport(self) -> bool:
+        """Whether the strategy's own small collectives (:meth:`exchange`) can travel as one token exchange:
+        over the direct channel, or ``confirm_first``'s own group."""
+        if not self.active or self._depth:
+            return False
+        return self._channel is not None or (self.confirm_first and self._side_group is not None)
 
     def own_broadcast(self, op: str, match: str, tensor: Tensor) -> None:
         """The strategy's per-step broadcast from rank 0 (its step flags: one layout, ``match``, from one

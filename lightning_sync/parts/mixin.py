@@ -198,8 +198,9 @@ class SyncStrategyMixin:
         match = f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(map(str, tensor.shape))}] op={op}"
         several = dist.get_world_size(group) > 1
         if several and op.lower() in _ROW_REDUCTIONS:
-            # confirm_first: a small value is checked and sent in one exchange (every rank's row), then
-            # reduced here, where a check and the all_reduce would make two round trips (None: not applicable)
+            # a small value is checked and sent in one exchange (every rank's row) over the ranks' direct channel
+            # (or confirm_first's group), then reduced here in rank order: one round trip where Lightning's
+            # barrier and all_reduce make two on gloo (None: not applicable)
             rows = guard.guard.exchange("strategy.reduce", match, tensor, group)
             if rows is not None:
                 return _reduce_rows(tensor, rows, op.lower())
@@ -295,7 +296,9 @@ class SyncStrategyMixin:
         if _compat.is_run_stage_barrier(name) and module is not None:
             for p in self._parts:
                 p.run_stage_started(self, module.trainer)
-        super().barrier(name)  # type: ignore[misc]
+        guard = self.guard
+        if guard is None or not guard.own_barrier():  # over the ranks' direct channel where there is one
+            super().barrier(name)  # type: ignore[misc]
 
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
@@ -326,7 +329,12 @@ class SyncStrategyMixin:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         # src passed only where it is not the default, as Lightning's own callers do (its tests patch the
         # method with a one-argument stand-in: strategies/test_model_parallel.py)
-        out = super().broadcast(obj, src) if src else super().broadcast(obj)  # type: ignore[misc]
+        guard = self.guard
+        box = guard.own_broadcast_object(obj, src) if guard is not None else None  # the direct channel
+        if box is not None:
+            out = box[0]
+        else:
+            out = super().broadcast(obj, src) if src else super().broadcast(obj)  # type: ignore[misc]
         pending = self.__dict__.get("_save_path_broadcast")
         if pending is not None and not pending:  # the first broadcast inside save_checkpoint: its path
             pending.append(out)

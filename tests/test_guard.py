@@ -310,6 +310,14 @@ def _strategy_calls_over_the_channel(rank: int, world: int, direct_env: str) -> 
     each recorded once; with the channel off (LIGHTNING_SYNC_DIRECT=0) they do not apply."""
     os.environ["LIGHTNING_SYNC_DIRECT"] = direct_env
     big = bytes(range(256)) * 400  # 100 KiB: past direct.MAX_BYTES
+    through_gloo = []
+    real = dist.broadcast_object_list
+
+    def counted(*args: object, **kwargs: object) -> object:  # wrapped by the guard's interceptor in turn
+        through_gloo.append(1)
+        return real(*args, **kwargs)
+
+    dist.broadcast_object_list = counted
     with CollectiveGuard(timeout=10) as guard:
         before = guard.checks
         barrier = guard.own_barrier()
@@ -318,23 +326,24 @@ def _strategy_calls_over_the_channel(rank: int, world: int, direct_env: str) -> 
         large = guard.own_broadcast_object(big if rank == 1 else b"", src=1)
         checks = guard.checks - before
         try:  # an object rank 0 cannot pickle: every rank is told, none waits for its bytes
-            unpicklable = str(guard.own_broadcast_object(lambda: 1 if rank == 0 else None))
+            unpicklable = str(guard.own_broadcast_object((lambda: 1) if rank == 0 else None))
         except ls.LightningSyncError as err:
             unpicklable = str(err)
         after = guard.own_broadcast_object(rank)  # the channel is still in step
     return {"barrier": barrier, "small": small, "last": last, "large_ok": large is not None and large[0] == big,
             "large": large is not None, "checks": checks, "unpicklable": "could not pickle" in unpicklable,
-            "after": after}
+            "after": after, "through_gloo": len(through_gloo)}
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_strategy_barrier_and_broadcast_travel_over_the_direct_channel(world: int) -> None:
     for r in run_ranks(_strategy_calls_over_the_channel, world, args=("1",), timeout=90):
         assert r == {"barrier": True, "small": [{"rank": 0, "epoch": [1, 2]}], "last": [f"from {world - 1}"],
-                     "large_ok": True, "large": True, "checks": 4, "unpicklable": True, "after": [0]}
+                     "large_ok": True, "large": True, "checks": 4, "unpicklable": True, "after": [0],
+                     "through_gloo": 1}  # the 100 KiB object only
     for r in run_ranks(_strategy_calls_over_the_channel, 2, args=("0",), timeout=90):
         assert r == {"barrier": False, "small": None, "last": None, "large_ok": False, "large": False, "checks": 0,
-                     "unpicklable": False, "after": None}
+                     "unpicklable": False, "after": None, "through_gloo": 0}
 
 
 def _errors(outcomes: list) -> list[str]:

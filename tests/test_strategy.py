@@ -192,5 +192,6 @@ def test_strategy_collectives_at_different_calls_fail_every_rank_at_once(tmp_pat
     two calls' tokens meet in one exchange, and every rank raises the guard's error naming both call sites."""
     for r in _calls_after_fit(tmp_path, "--mismatch"):
         assert r["error"]["type"] == "CollectiveMismatchError", r["error"]
+        assert r["error"]["seconds"] < 60, r["error"]  # the whole fit: at the exchange, not after the guard timeout (120 s)
         assert "rank 0 at calls_after_fit.py" in r["error"]["message"] and ": strategy.barrier;" in r["error"]["message"]
         assert "strategy.broadcast src=0" in r["error"]["message"]

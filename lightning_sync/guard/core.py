@@ -523,14 +523,15 @@ class CollectiveGuard:
         told apart by their tokens. For the strategy's own small values (a ``self.log(sync_dist=True)``
         value): one collective where a check and the call make two. ``match`` must name the payload's
         dtype and shape."""
-        if (not self._own_transport() or not (group is None or group is dist.GroupMember.WORLD)
+        transport = self._transport()
+        if (transport is None or not (group is None or group is dist.GroupMember.WORLD)
                 or not _on_gloo(group) or payload.dtype == torch.bool
                 or payload.numel() * payload.element_size() > SIDE_PAYLOAD):
             return None
         fp = self._record(op, match, group, sys._getframe(1))
         if fp is None:
             return None
-        return self._side_exchange(fp, op, payload)
+        return self._side_exchange(fp, op, payload, transport)
 
     def own_barrier(self) -> bool:
         """The strategy's barrier (Lightning's ``strategy.barrier``) as one exchange of every rank's token over
@@ -538,14 +539,15 @@ class CollectiveGuard:
         gloo's barrier (measured: bench/bench_calls.py). Returns False where it does not apply (no direct
         channel, the guard off or inside a guarded operation); the caller then runs its usual barrier.
         Every rank takes the same path: the channel exists on every rank of the world or on none."""
-        if self._channel is None or not self.active or self._depth:
+        ch = self._channel
+        if ch is None or not self.active or self._depth:
             return False
         if self._refusal is not None:
             self._refuse("torch.distributed.barrier", sys._getframe(2))
         fp = self._record("strategy.barrier", "", None, sys._getframe(1))
         if fp is None:
             return False
-        self._side_exchange(fp, "strategy.barrier", None)
+        self._side_exchange(fp, "strategy.barrier", None, (ch, None))
         return True
 
     def own_broadcast_object(self, obj: Any, src: int = 0) -> list[Any] | None:
@@ -558,6 +560,8 @@ class CollectiveGuard:
         ch = self._channel
         if ch is None or not self.active or self._depth:
             return None
+        if self._refusal is not None:
+            self._refuse("torch.distributed.broadcast_object_list", sys._getframe(2))
         fp = self._record("strategy.broadcast", f"src={src}", None, sys._getframe(1))
         if fp is None:
             return None
@@ -568,7 +572,7 @@ class CollectiveGuard:
             except Exception as err:  # noqa: BLE001 - every rank is told, instead of waiting for the bytes
                 unpicklable = err
         length = -1 if unpicklable is not None else len(data)
-        rows = self._side_exchange(fp, "strategy.broadcast", torch.tensor([length], dtype=torch.int64))
+        rows = self._side_exchange(fp, "strategy.broadcast", torch.tensor([length], dtype=torch.int64), (ch, None))
         assert rows is not None
         size = int(rows[src, 0])
         if size < 0:
@@ -578,7 +582,7 @@ class CollectiveGuard:
                 "broadcast only picklable objects (plain Python values, tensors).") from unpicklable
         if size > direct.MAX_BYTES:
             box = [obj]
-            self._depth += 1  # checked above: run (waited for in slices) by the interceptor, not recorded again
+            self._depth += 1  # checked above: run by the interceptor, not recorded again
             try:
                 dist.broadcast_object_list(box, src=src)
             finally:
@@ -590,12 +594,16 @@ class CollectiveGuard:
         got = ch.all_gather(block, "strategy.broadcast")[src]
         return [obj if self._rank == src else pickle.loads(got.numpy().tobytes())]
 
-    def _own_transport(self) -> bool:
-        """Whether the strategy's own small collectives (:meth:`exchange`) can travel as one token exchange:
-        over the direct channel, or ``confirm_first``'s own group."""
+    def _transport(self) -> tuple[direct.DirectChannel | None, Any] | None:
+        """Where the strategy's own small collectives (:meth:`exchange`) can travel as one token exchange: the
+        direct channel, else ``confirm_first``'s own group, as one snapshot (the guard may be removed while the
+        exchange runs: a SIGTERM's handler); None where neither applies."""
+        ch, side = self._channel, self._side_group
         if not self.active or self._depth:
-            return False
-        return self._channel is not None or (self.confirm_first and self._side_group is not None)
+            return None
+        if ch is not None or (self.confirm_first and side is not None):
+            return ch, side
+        return None
 
     def own_broadcast(self, op: str, match: str, tensor: Tensor) -> None:
         """The strategy's per-step broadcast from rank 0 (its step flags: one layout, ``match``, from one
@@ -628,12 +636,16 @@ class CollectiveGuard:
     def _confirm(self, fp: Fingerprint, op: str, group: Any) -> None:
         """``confirm_first``: compare every rank's token of ``fp`` on the guard's own group before the call's
         data moves (subgroups: through the store, one watchdog turn). Raises on every rank on a mismatch."""
-        if self._side_group is None or not (group is None or group is dist.GroupMember.WORLD):
+        side = self._side_group
+        if side is None or not (group is None or group is dist.GroupMember.WORLD):
             self._wait_confirmed(fp, op)
             return
-        self._side_exchange(fp, op, None)
+        self._side_exchange(fp, op, None, (self._channel, side))
 
-    def _side_exchange(self, fp: Fingerprint, op: str, payload: Tensor | None) -> Tensor | None:
+    def _side_exchange(self, fp: Fingerprint, op: str, payload: Tensor | None,
+                       transport: tuple[direct.DirectChannel | None, Any]) -> Tensor | None:
+        """Every rank's token of ``fp`` and ``payload`` in one exchange over ``transport`` (the direct channel,
+        else ``confirm_first``'s group), chosen by the caller before it recorded ``fp``."""
         token = zlib.crc32("\x1f".join(fp.key(self.match_call_sites)).encode()) or 1
         world = dist.get_world_size()
         block = torch.zeros(_SIDE_BLOCK, dtype=torch.uint8)
@@ -643,14 +655,14 @@ class CollectiveGuard:
             raw = payload.detach().to("cpu").reshape(-1).contiguous().view(torch.uint8)
             size = raw.numel()
             block[8:8 + size] = raw
-        ch = self._channel
+        ch, side = transport
         if ch is not None:  # the direct channel is a transport of its own, like the side group
             rows = ch.all_gather(block, "guard confirmation")
         else:
             every = torch.empty(world * _SIDE_BLOCK, dtype=torch.uint8)
             self._depth += 1  # the exchange itself is not a user's collective
             try:
-                all_gather_single(every, block, group=self._side_group)
+                all_gather_single(every, block, group=side)
             finally:
                 self._depth -= 1
             rows = every.view(world, _SIDE_BLOCK)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_sync  # noqa: F401  (registers ddp_sync)
+from lightning_sync.guard.intercept import GUARDED_OPS
 
-COUNTED = ("all_reduce", "barrier", "broadcast", "broadcast_object_list", "all_gather", "all_gather_object",
-           "all_gather_into_tensor", "gather", "gather_object", "reduce", "scatter", "reduce_scatter")
 calls = 0
 
 
@@ -38,8 +38,9 @@ def _counting(fn: Any) -> Any:
     return counted
 
 
-for _name in COUNTED:  # before any strategy exists: the guard wraps these wrappers
-    setattr(dist, _name, _counting(getattr(dist, _name)))
+for _name in GUARDED_OPS:  # every collective the guard knows; before any strategy exists: it wraps these wrappers
+    if hasattr(dist, _name):
+        setattr(dist, _name, _counting(getattr(dist, _name)))
 
 
 class Model(L.LightningModule):
@@ -91,10 +92,11 @@ def main() -> None:
                         num_sanity_val_steps=0)
     model = Model(args.mismatch)
     report: dict[str, Any] = {}
+    started = time.monotonic()
     try:
         trainer.fit(model)
         for name in ("validate", "test", "predict", "validate_again"):
-            before = calls
+            started, before = time.monotonic(), calls
             if name == "predict":
                 out = trainer.predict(model)
                 value: Any = torch.cat(out).reshape(-1).tolist()
@@ -103,7 +105,8 @@ def main() -> None:
                 value = call(model, verbose=False)
             report[name] = {"value": value, "collectives": calls - before}
     except Exception as err:  # noqa: BLE001 - the report says what each rank got
-        report["error"] = {"type": type(err).__name__, "message": str(err), "trace": traceback.format_exc()[-3000:]}
+        report["error"] = {"type": type(err).__name__, "message": str(err), "trace": traceback.format_exc()[-3000:],
+                           "seconds": time.monotonic() - started}  # the failing call's (fit's, under --mismatch)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 

@@ -539,27 +539,28 @@ class CollectiveGuard:
         gloo's barrier (measured: bench/bench_calls.py). Returns False where it does not apply (no direct
         channel, the guard off or inside a guarded operation); the caller then runs its usual barrier.
         Every rank takes the same path: the channel exists on every rank of the world or on none."""
-        ch = self._channel
-        if ch is None or not self.active or self._depth:
+        transport = self._transport()
+        if transport is None or transport[0] is None:
             return False
         if self._refusal is not None:
             self._refuse("torch.distributed.barrier", sys._getframe(2))
         fp = self._record("strategy.barrier", "", None, sys._getframe(1))
         if fp is None:
             return False
-        self._side_exchange(fp, "strategy.barrier", None, (ch, None))
+        self._side_exchange(fp, "strategy.barrier", None, transport)
         return True
 
     def own_broadcast_object(self, obj: Any, src: int = 0) -> list[Any] | None:
         """The strategy's broadcast of a picklable object from global rank ``src`` (Lightning's
         ``strategy.broadcast``) over the ranks' direct channel: every rank's token and the pickle's length
         in one exchange, then the pickle (every rank sends a block of that length, each keeps ``src``'s);
-        one past ``direct.MAX_BYTES`` goes through ``broadcast_object_list`` on the world group instead,
+        one past ``direct.MAX_BYTES`` goes as one gloo broadcast of those bytes on the world group instead,
         already checked. ``src`` keeps its own object, as with ``broadcast_object_list``. Returns
         ``[object]``, or None where it does not apply (as :meth:`own_barrier`)."""
-        ch = self._channel
-        if ch is None or not self.active or self._depth:
+        transport = self._transport()
+        if transport is None or transport[0] is None:
             return None
+        ch = transport[0]
         if self._refusal is not None:
             self._refuse("torch.distributed.broadcast_object_list", sys._getframe(2))
         fp = self._record("strategy.broadcast", f"src={src}", None, sys._getframe(1))
@@ -572,7 +573,7 @@ class CollectiveGuard:
             except Exception as err:  # noqa: BLE001 - every rank is told, instead of waiting for the bytes
                 unpicklable = err
         length = -1 if unpicklable is not None else len(data)
-        rows = self._side_exchange(fp, "strategy.broadcast", torch.tensor([length], dtype=torch.int64), (ch, None))
+        rows = self._side_exchange(fp, "strategy.broadcast", torch.tensor([length], dtype=torch.int64), transport)
         assert rows is not None
         size = int(rows[src, 0])
         if size < 0:
@@ -580,18 +581,18 @@ class CollectiveGuard:
                 f"rank {self._rank}: strategy.broadcast from rank {src}: rank {src} could not pickle the object "
                 f"({f'{type(unpicklable).__name__}: {unpicklable}' if unpicklable else 'its own error says why'}); "
                 "broadcast only picklable objects (plain Python values, tensors).") from unpicklable
-        if size > direct.MAX_BYTES:
-            box = [obj]
-            self._depth += 1  # checked above: run by the interceptor, not recorded again
-            try:
-                dist.broadcast_object_list(box, src=src)
-            finally:
-                self._depth -= 1
-            return box
         block = torch.zeros(size, dtype=torch.uint8)
         if self._rank == src and size:
             block.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        got = ch.all_gather(block, "strategy.broadcast")[src]
+        if size <= direct.MAX_BYTES:
+            got = ch.all_gather(block, "strategy.broadcast")[src]
+        else:  # the pickle made above, in one broadcast (not pickled again by broadcast_object_list)
+            self._depth += 1  # checked above: run by the interceptor, not recorded again
+            try:
+                dist.broadcast(block, src=src)
+            finally:
+                self._depth -= 1
+            got = block
         return [obj if self._rank == src else pickle.loads(got.numpy().tobytes())]
 
     def _transport(self) -> tuple[direct.DirectChannel | None, Any] | None:

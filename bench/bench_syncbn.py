@@ -1,8 +1,6 @@
 """Step time of a 2-BatchNorm MLP under torch DDP on 2 CPU ranks (gloo): portable SyncBatchNorm vs
 local BatchNorm vs a naive hand-written all_reduce SyncBatchNorm, each with and without a process
-group of its own for the BatchNorm collectives, and the portable layer with its statistics over the
-ranks' direct channel (the default on one host) and over gloo (``LIGHTNING_SYNC_DIRECT=0``). All
-variants run side by side in one run, interleaved round by round, so machine noise hits them alike;
+group of its own for the BatchNorm collectives. All variants run side by side in one run, interleaved round by round, so machine noise hits them alike;
 ratios are what to read.
 
     .venv/bin/python bench/bench_syncbn.py                     # defaults: batch 64/rank, hidden 512
@@ -31,7 +29,6 @@ from torch.autograd.function import FunctionCtx
 from torch.nn.modules.batchnorm import _BatchNorm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_sync import direct  # noqa: E402
 from lightning_sync.batchnorm import convert_sync_batchnorm, dedicated_group, share_running_stats  # noqa: E402
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); same semantics.
@@ -97,10 +94,6 @@ def _mlp(features: int, hidden: int, norm: Any) -> nn.Module:
 
 def _variants(args: argparse.Namespace) -> dict[str, nn.Module]:
     own = dedicated_group()  # every rank creates it here, at the same point
-    os.environ[direct.ENV] = "0"  # a world group whose SyncBatchNorm statistics go through gloo
-    gloo_only = dist.new_group(list(range(dist.get_world_size())))
-    assert direct.channel(gloo_only) is None
-    del os.environ[direct.ENV]
     f, h = args.features, args.hidden
 
     def portable(group: Any, share: bool) -> nn.Module:
@@ -117,7 +110,6 @@ def _variants(args: argparse.Namespace) -> dict[str, nn.Module]:
         "portable SyncBN, own group": portable(own, False),
         "portable SyncBN, default group, no bcast": portable(None, True),
         "portable SyncBN, own group, no bcast": portable(own, True),
-        "portable SyncBN over gloo, no bcast": portable(gloo_only, True),
     }
 
 
@@ -134,22 +126,17 @@ def _time_steps(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tens
 
 def _collective_latency(args: argparse.Namespace, rank: int, world: int) -> dict[str, list[float]]:
     """Forward-statistics collective alone: gloo's all_gather of (n, mean, M2) vs all_reduce of float64
-    sums vs the direct channel's all_gather, interleaved block by block."""
+    sums, interleaved block by block."""
     c = args.hidden
     record = torch.randn(2 * c + 1, dtype=torch.float64)
     gathered = torch.empty(world * record.numel(), dtype=torch.float64)
-    channel = direct.channel()
-    assert channel is not None
-    out: dict[str, list[float]] = {"all_gather (n, mean, M2)": [], "all_reduce float64 sums": [],
-                                   "direct channel all_gather (n, mean, M2)": []}
+    out: dict[str, list[float]] = {"all_gather (n, mean, M2)": [], "all_reduce float64 sums": []}
     for _ in range(args.rounds):
         for name, times in out.items():
             dist.barrier()
             t = time.perf_counter()
             for _ in range(50):
-                if name.startswith("direct"):
-                    channel.all_gather(record, "statistics")
-                elif name.startswith("all_gather"):
+                if name.startswith("all_gather"):
                     _all_gather_single(gathered, record)
                 else:
                     dist.all_reduce(record)

@@ -14,8 +14,8 @@ same semantics on any device:
   order on every rank, gives the input gradient ``w * invstd * (dy - sum_dy / n - xhat * sum_dy_xhat /
   n)``; the weight and bias gradients stay local (their sum over ranks is the full-batch gradient;
   DDP averages them);
-* both exchanges go over the ranks' direct channel (:mod:`lightning_sync.direct`) when every rank of
-  the group runs on one host, else through the group (gloo or NCCL);
+* both exchanges go through the layer's process group (the world's, or the one passed as
+  ``process_group``), so torch's timeouts, flight recorder and profiler see them;
 * running statistics use the unbiased global variance, as torch does, and are identical on every rank;
 * eval mode, and training without a process group (or with a group of one), run no collective and
   behave exactly like ``torch.nn.BatchNorm*d``;
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from lightning_sync import collectives, direct
+from lightning_sync import collectives
 from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, BatchNormBase, TorchSyncBatchNormFunction
 from lightning_sync.errors import RankMismatchError, format_ranks
 
@@ -117,10 +117,6 @@ def _local_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     return mean, var
 
 
-def _stats_label(channels: int) -> str:
-    return f"SyncBatchNorm({channels}) statistics"
-
-
 def _group_name(group: dist.ProcessGroup) -> str:
     return "the default group" if group is dist.group.WORLD else "its process group"
 
@@ -145,8 +141,7 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
             record = torch.cat([mean64.new_full((1,), local_count), mean64, var.double().mul_(local_count)])
         else:
             record = torch.zeros(2 * channels + 1, dtype=torch.float64, device=input.device)
-        # over the ranks' direct channel when they share a host (tens of microseconds, not gloo's hundreds)
-        gathered = direct.all_gather_rows(record, group, _stats_label(channels))
+        gathered = collectives.all_gather_rows(record, group)
 
         counts = gathered[:, 0]
         if bool((counts < 0).any()):  # a rank's input was refused (see SyncBatchNorm.forward): raise it here too
@@ -221,10 +216,10 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
         grad_input = None
         if needs_input:
             # Every rank joins this exchange, an empty one too, or its peers would wait forever. Gathered and
-            # summed in rank order on every rank (not all-reduced): the same numbers over the direct channel
-            # and over gloo, so one host of 4 ranks and two hosts of 2 train bit for bit alike.
+            # summed in rank order on every rank (not all-reduced): the same numbers whatever order the backend's
+            # reduction takes, so one host of 4 ranks and two hosts of 2 train bit for bit alike.
             combined = torch.cat([sum_dy, sum_dy_xhat])
-            combined = direct.all_gather_rows(combined, group, f"SyncBatchNorm({channels}) gradient sums").sum(0)
+            combined = collectives.all_gather_rows(combined, group).sum(0)
             if local:
                 combined.div_(total)
                 mean_dy, mean_dy_xhat = combined[:channels], combined[channels:]
@@ -355,7 +350,7 @@ class SyncBatchNorm(BatchNormBase):
             portable = self._device().type != "cuda" or "gloo" in str(dist.get_backend(group)).lower()
             if problem is not None and portable:  # join this step's statistics exchange with a flag, then explain
                 flag = torch.full((2 * self.num_features + 1,), -1.0, dtype=torch.float64, device=self._device())
-                direct.all_gather_rows(flag, group, _stats_label(self.num_features))
+                collectives.all_gather_rows(flag, group)
                 _raise_input_problems(problem, group)
             if problem is not None:  # torch's NCCL kernels: no room for a flag in their exchange
                 raise ValueError(problem)

@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sync import direct
 from lightning_sync._compat.torch_api import all_gather_single as _all_gather_single
 from lightning_sync.errors import CollectiveMismatchError, RankMismatchError, format_ranks
 
@@ -182,8 +181,7 @@ def _exchange(record: list[int], group: dist.ProcessGroup | None, device: torch.
     elif _guard_hook is not None:
         record[_I_SITE] = _guard_hook(_CALLS[record[_I_CALL]], group)
     mine = torch.tensor(record, dtype=torch.int64, device=device)
-    # over a direct channel set up before (never here: see _channel), else gloo's all_gather
-    records = direct.all_gather_rows(mine, group, "lightning_sync.collectives metadata", set_up=False).tolist()
+    records = all_gather_rows(mine, group).tolist()
     tokens = [rec[_I_SITE] for rec in records]
     if _guard_explain is not None and len(set(tokens)) > 1 and min(tokens) > 0:
         raise _guard_explain(_CALLS[record[_I_CALL]], group, dict(zip(_global_ranks(group), tokens)))
@@ -203,22 +201,19 @@ def _same_everywhere(record: list[int], group: dist.ProcessGroup | None, device:
         record[_I_SITE] = _guard_hook(_CALLS[record[_I_CALL]], group)
     # 62 bits of a BLAKE2b digest: a collision (a differing record taken for equal) is ~2**-62
     digest = int.from_bytes(hashlib.blake2b(",".join(map(str, record)).encode(), digest_size=8).digest(), "big") >> 2
-    ch = _channel(group)
-    if ch is not None:  # every rank's digest, ~20 us instead of a gloo all-reduce's hundreds
-        digests = ch.all_gather(torch.tensor([digest], dtype=torch.int64), "lightning_sync.collectives digest")
-        return bool((digests == digest).all()), record[_I_SITE]
     both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, minus_low = both.tolist()
     return high == -minus_low, record[_I_SITE]
 
 
-def _channel(group: dist.ProcessGroup | None) -> direct.DirectChannel | None:
-    """The group's direct channel when one was set up already (by the guard or SyncBatchNorm: never here,
-    where a wrong program may stand on one rank only); every rank gets the same answer. A channel broken
-    by an earlier failure raises when used, on the rank that knows it is broken, rather than that rank
-    falling back to gloo while its peers wait on the channel."""
-    return direct.existing(group)
+def all_gather_rows(record: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Every rank's ``record`` (1-D, the same size on every rank) as ``[world, n]`` in rank order, on
+    ``record``'s device: one ``all_gather_into_tensor`` on ``group``. Every rank of the group must call it."""
+    world = dist.get_world_size(group)
+    gathered = torch.empty(world * record.numel(), dtype=record.dtype, device=record.device)
+    _all_gather_single(gathered, record, group=group)
+    return gathered.view(world, -1)
 
 
 def _global_ranks(group: dist.ProcessGroup | None) -> list[int]:

@@ -93,27 +93,13 @@ def _run_case(layer: nn.Module, sizes: tuple[int, ...], rank: int | None, ndim: 
     return out
 
 
-def _all_cases(rank: int, world: int, sizes: tuple[int, ...], use_dedicated: bool, direct_off: bool = False
-               ) -> dict[str, Any]:
-    """Every case on one group: the world (or, ``use_dedicated``, a group of its own), whose statistics travel
-    over the direct channel; or, ``direct_off``, a new group on which the channel is turned off (gloo)."""
-    import os
-
-    from lightning_sync import direct
-
+def _all_cases(rank: int, world: int, sizes: tuple[int, ...], use_dedicated: bool) -> dict[str, Any]:
+    """Every case on one group: the world, or (``use_dedicated``) a group of its own."""
     group = dedicated_group() if use_dedicated else None
-    if direct_off:
-        os.environ[direct.ENV] = "0"
-        try:
-            group = dist.new_group(list(range(world)))
-            assert direct.channel(group) is None
-        finally:
-            del os.environ[direct.ENV]
     results = {}
     for name, ndim, affine, track, momentum, offset in CASES:
         layer = _make(SyncBatchNorm, ndim, affine, track, momentum, process_group=group)
         results[name] = _run_case(layer, sizes, rank, ndim, offset)
-    assert (direct.channel(group) is None) == direct_off
     return results
 
 
@@ -161,12 +147,6 @@ def _check_against_reference(results: list[dict[str, Any]], sizes: tuple[int, ..
 @pytest.mark.parametrize("world", [3, 2], ids=["3_ranks_5_3_0", "2_ranks_2_5_own_group"])
 def test_matches_batchnorm_on_concatenated_batch(world: int, case: tuple[Any, ...]) -> None:
     _check_against_reference([r["cases"] for r in _session(world)], SIZES[world], case)
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_matches_batchnorm_over_gloo_without_the_direct_channel(case: tuple[Any, ...]) -> None:
-    # LIGHTNING_SYNC_DIRECT=0 (and groups spanning hosts) take gloo's all_gather / all_reduce instead
-    _check_against_reference([r["cases_gloo"] for r in _session(3)], SIZES_3, case)
 
 
 # ---------------------------------------------------------------- errors, eval, single process
@@ -456,7 +436,6 @@ def _run_session(rank: int, world: int) -> dict[str, Any]:
     part on a busy machine. Each test then asserts on its own piece."""
     out: dict[str, Any] = {
         "cases": _all_cases(rank, world, SIZES[world], world == 2),
-        "cases_gloo": _all_cases(rank, world, SIZES[world], False, direct_off=True) if world == 3 else {},
         "one_value": _one_value_per_channel(rank, world),
         "eval": _eval_only_on_rank_0(rank, world),
         "bad": _bad_inputs(rank, world),

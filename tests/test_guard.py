@@ -253,97 +253,37 @@ def test_a_guard_after_a_failed_one_does_not_reuse_its_groups() -> None:
         assert r == {"sum": 2.0, "new_groups": True}
 
 
-def _one_exchange(rank: int, world: int) -> dict:
-    """confirm_first's one-round-trip exchange (a small sync_dist value, checked and sent together) and the
-    step flags' own broadcast, against Lightning's reduction of the same values."""
-    from lightning.fabric.utilities.distributed import _sync_ddp
-
-    from lightning_sync.parts.mixin import _reduce_rows
-
-    differ = []
+def _flags_broadcast(rank: int, world: int) -> dict:
+    """confirm_first's step-flags broadcast on the guard's own group, beside a sync_dist-style reduction."""
     with CollectiveGuard(timeout=10, confirm_first=True) as guard:
-        for dtype in (torch.float32, torch.float64, torch.int64, torch.int32):
-            for op in ("mean", "avg", "sum", "max", "min", "product"):
-                value = (torch.arange(5) * (rank + 2) + rank + 1).to(dtype)  # exact in every order of summation
-                rows = guard.exchange("strategy.reduce", f"{dtype}[5] op={op}", value.clone())
-                assert rows is not None and rows.shape == (world, 5)
-                ours, theirs = _reduce_rows(value.clone(), rows, op), _sync_ddp(value.clone(), None, op)
-                if ours.dtype != theirs.dtype or not torch.equal(ours, theirs):
-                    differ.append(f"{dtype} {op}: {ours.tolist()} vs {theirs.tolist()}")
         flags = torch.tensor([rank + 1, 7 * rank])
         guard.own_broadcast("step flags broadcast", "int64[2] src=0", flags)
-        too_large = guard.exchange("strategy.reduce", "float32[15] op=sum", torch.zeros(15))  # 60 bytes
+        value = torch.ones(3) * (rank + 1)
+        dist.all_reduce(value)
         checks = guard.checks
-    outside = CollectiveGuard(confirm_first=True).exchange("strategy.reduce", "float32[] op=sum", torch.ones(()))
-    return {"differ": differ, "flags": flags.tolist(), "too_large": too_large, "outside": outside, "checks": checks}
+    return {"flags": flags.tolist(), "sum": value.tolist(), "checks": checks}
 
 
-def _exchange_vs_other_call(rank: int, world: int) -> None:
-    with CollectiveGuard(timeout=10, confirm_first=True) as guard:
+def _confirmed_vs_other_call(rank: int, world: int) -> None:
+    with CollectiveGuard(timeout=10, confirm_first=True):
         if rank == 0:
-            guard.exchange("strategy.reduce", "float32[] op=sum", torch.ones(()))
+            dist.all_reduce(torch.ones(()))
         else:
-            dist.all_reduce(torch.ones(3))  # confirmed first: it meets rank 0's exchange on the guard's group
+            dist.all_reduce(torch.ones(3))  # confirmed first: the tokens differ before any data moves
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_confirm_first_exchange_reduces_as_lightning_in_one_round_trip(world: int) -> None:
-    results = run_ranks(_one_exchange, world, timeout=90)
-    for r in results:
-        assert r["differ"] == [], r["differ"]
-        assert r["flags"] == [1, 0]  # rank 0's
-        assert r["too_large"] is None and r["outside"] is None  # not applicable: the caller's usual path
-    # one recorded collective per exchange, per Lightning reduction (its barrier + all_reduce: two) and the flags
-    assert {r["checks"] for r in results} == {4 * 6 * 3 + 1}
+def test_confirm_first_flags_broadcast_takes_rank_zeros_values(world: int) -> None:
+    total = float(world * (world + 1) // 2)
+    for r in run_ranks(_flags_broadcast, world, timeout=90):
+        assert r == {"flags": [1, 0], "sum": [total] * 3, "checks": 2}
 
 
-def test_confirm_first_exchange_against_another_call_raises_on_every_rank() -> None:
+def test_confirm_first_mismatch_raises_on_every_rank_at_once() -> None:
     start = time.monotonic()
-    for text in _errors(run_ranks(_exchange_vs_other_call, 2, timeout=60, expect_failure=True)):
-        assert "CollectiveMismatchError" in text and "strategy.reduce" in text and "all_reduce" in text
+    for text in _errors(run_ranks(_confirmed_vs_other_call, 2, timeout=60, expect_failure=True)):
+        assert "CollectiveMismatchError" in text and "all_reduce" in text
     assert time.monotonic() - start < 40  # at once (guard timeout 10 s), not after it
-
-
-def _strategy_calls_over_the_channel(rank: int, world: int, direct_env: str) -> dict:
-    """The strategy's own barrier and object broadcasts as the guard runs them over the direct channel: a small
-    object from rank 0 and from the last rank, one too large for the channel (the process group carries it),
-    each recorded once; with the channel off (LIGHTNING_SYNC_DIRECT=0) they do not apply."""
-    os.environ["LIGHTNING_SYNC_DIRECT"] = direct_env
-    big = bytes(range(256)) * 400  # 100 KiB: past direct.MAX_BYTES
-    through_gloo = []
-    real = dist.broadcast  # the large object's pickle goes as one broadcast
-
-    def counted(*args: object, **kwargs: object) -> object:  # wrapped by the guard's interceptor in turn
-        through_gloo.append(1)
-        return real(*args, **kwargs)
-
-    dist.broadcast = counted
-    with CollectiveGuard(timeout=10) as guard:
-        before = guard.checks
-        barrier = guard.own_barrier()
-        small = guard.own_broadcast_object({"rank": rank, "epoch": [1, 2]} if rank == 0 else None)
-        last = guard.own_broadcast_object(f"from {rank}", src=world - 1)
-        large = guard.own_broadcast_object(big if rank == 1 else b"", src=1)
-        checks = guard.checks - before
-        try:  # an object rank 0 cannot pickle: every rank is told, none waits for its bytes
-            unpicklable = str(guard.own_broadcast_object((lambda: 1) if rank == 0 else None))
-        except ls.LightningSyncError as err:
-            unpicklable = str(err)
-        after = guard.own_broadcast_object(rank)  # the channel is still in step
-    return {"barrier": barrier, "small": small, "last": last, "large_ok": large is not None and large[0] == big,
-            "large": large is not None, "checks": checks, "unpicklable": "could not pickle" in unpicklable,
-            "after": after, "through_gloo": len(through_gloo)}
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_strategy_barrier_and_broadcast_travel_over_the_direct_channel(world: int) -> None:
-    for r in run_ranks(_strategy_calls_over_the_channel, world, args=("1",), timeout=90):
-        assert r == {"barrier": True, "small": [{"rank": 0, "epoch": [1, 2]}], "last": [f"from {world - 1}"],
-                     "large_ok": True, "large": True, "checks": 4, "unpicklable": True, "after": [0],
-                     "through_gloo": 1}  # the 100 KiB object only
-    for r in run_ranks(_strategy_calls_over_the_channel, 2, args=("0",), timeout=90):
-        assert r == {"barrier": False, "small": None, "last": None, "large_ok": False, "large": False, "checks": 0,
-                     "unpicklable": False, "after": None, "through_gloo": 0}
 
 
 def _errors(outcomes: list) -> list[str]:

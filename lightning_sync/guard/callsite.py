@@ -22,7 +22,7 @@ from lightning_sync._compat.torch_api import LIGHTNING_RESULT_FILE
 
 __all__ = ["CallSites", "is_trusted", "register_trusted", "trusted"]
 
-_trusted_modules: set[str] = {"lightning_sync.collectives", "lightning_sync.batchnorm", "lightning_sync.direct",
+_trusted_modules: set[str] = {"lightning_sync.collectives", "lightning_sync.batchnorm",
                               "lightning_sync._compat.torch_api"}
 _trusted_prefixes: tuple[str, ...] = ("torch.",)
 _local = threading.local()

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sync import collectives, direct
+from lightning_sync import collectives
 from lightning_sync._compat.torch_api import (DDP_IGNORE_ATTR, all_gather_single, default_store, flight_recorder_dump,
                                              rank_not_in_group)
 from lightning_sync.errors import CollectiveMismatchError, LightningSyncError, RankMismatchError
@@ -36,16 +36,11 @@ from lightning_sync.guard.intercept import Interceptor, group_backend
 from lightning_sync.guard.protocol import Exchange, stream_key
 from lightning_sync.guard.watchdog import Monitor, StoreLostError, dump_stacks
 
-__all__ = ["SIDE_PAYLOAD", "CollectiveGuard"]
+__all__ = ["CollectiveGuard"]
 
 _CLOSING = "end of guarded block"
 _LAYOUT_FIX = ("Pass tensors of one shape and dtype on every rank; for rows that differ in number per rank use "
                "lightning_sync.collectives.all_gather_uneven (gathers) or pad to a common length first.")
-#: Bytes every rank contributes to one exchange on ``confirm_first``'s own group: the call's token (8)
-#: and a payload of up to 56 bytes. One size for every exchange there, so that two ranks at different
-#: calls still pair on the wire (gloo aborts on a size mismatch) and find the difference in the tokens.
-_SIDE_BLOCK = 64
-SIDE_PAYLOAD = _SIDE_BLOCK - 8
 _generation = 0  # rank 0's count of installs (see install): keeps store keys apart
 _active: weakref.WeakSet[CollectiveGuard] = weakref.WeakSet()
 
@@ -97,33 +92,6 @@ class _Nothing:
 _NOTHING = _Nothing()
 
 
-class _DirectWaiter:
-    """What a blocked direct-channel exchange (:mod:`lightning_sync.direct`: SyncBatchNorm's statistics) asks the
-    guard: it counts as blocked in a collective for the watchdog, and ends on the guard's failure."""
-
-    def __init__(self, guard: CollectiveGuard) -> None:
-        self.guard = guard
-
-    def enter(self) -> Any:
-        recorder = self.guard._recorder
-        return recorder.enter(self.guard._stream) if recorder is not None else self
-
-    def poll(self) -> None:
-        failure = self.guard._failure()
-        if failure is not None:
-            raise failure
-
-    def leave(self, token: Any) -> None:
-        recorder = self.guard._recorder
-        if token is None and recorder is not None:
-            recorder.busy = None
-
-    def explain(self, err: BaseException) -> BaseException:
-        if isinstance(err, CollectiveMismatchError):
-            return self.guard._explain_exchange_mismatch(err)
-        return self.guard._explain(err)
-
-
 class CollectiveGuard:
     """Checks that every rank issues the same collectives; names the rank that does not.
 
@@ -162,8 +130,8 @@ class CollectiveGuard:
             there is nothing to sample (every collective is compared).
         interval: seconds between two turns of the watchdog (publish, compare, heartbeat).
         confirm_first: on gloo, before a checked collective's data moves, every rank's token of it
-            (op, shapes, call site) is compared in one all-gather of 64 bytes a rank on a gloo group
-            of the guard's own (which also carries the strategy's small values: :meth:`exchange`).
+            (op, shapes, call site) is compared in one all-gather of 8 bytes a rank on a gloo group
+            of the guard's own.
             For programs whose other collectives the guard does not see (FSDP2's all-gathers and
             reduce-scatters, trusted): a check on the program's group, or a collective on one rank
             only, would pair on the wire with one of those, and gloo aborts the process on the size
@@ -200,8 +168,6 @@ class CollectiveGuard:
         self._monitor: Monitor | None = None
         self._exchange: Exchange | None = None
         self._interceptor: Interceptor | None = None
-        self._waiter: _DirectWaiter | None = None
-        self._channel: direct.DirectChannel | None = None
         self._sites: CallSites | None = None
         self._stream = "w"
         self._rank = 0
@@ -289,8 +255,7 @@ class CollectiveGuard:
                 self._wait_confirmed(last[0], _CLOSING, stream)
 
     def _closing_agreed(self) -> bool:
-        """Every rank's world-stream sequence equal, known from one exchange (over the direct channel, else
-        the store) instead of the watchdog's turns (~7 ms a trainer call here); ``False`` when it cannot be
+        """Every rank's world-stream sequence equal, known from one exchange through the store instead of the watchdog's turns (~7 ms a trainer call here); ``False`` when it cannot be
         shown.
 
         Each rank posts its next seq, a CRC32 of the fingerprints it still holds (the ring's last
@@ -313,23 +278,14 @@ class CollectiveGuard:
         # subgroups' streams are not in the digest: the fast path holds only when each is compared already
         # (posted, so that every rank takes the same path)
         others = int(all(monitor.verified(s) >= recorder.next_seq(s) - 1 for s in recorder.streams() if s != "w"))
-        ch = self._channel
-        rows: list[list[int]] | None
-        if ch is not None:  # one exchange between the ranks, no store round trips
-            line = torch.tensor([seq, len(held), digest, others, monitor.verified("w")], dtype=torch.int64)
-            try:
-                rows = ch.all_gather(line, "guard closing check").tolist()
-            except LightningSyncError:
-                return False  # (the watchdog's path raises the failure, or names the rank that left)
-        else:
-            rows = self._closing_rows(f"{seq},{len(held)},{digest},{others},{monitor.verified('w')}")
-            if rows is None:
-                return False
+        rows = self._closing_rows(f"{seq},{len(held)},{digest},{others},{monitor.verified('w')}")
+        if rows is None:
+            return False
         return (all(row[:4] == rows[0][:4] for row in rows) and rows[0][3] == 1
                 and min(row[4] for row in rows) >= seq - len(held) - 1)
 
     def _closing_rows(self, mine: str) -> list[list[int]] | None:
-        """Every rank's closing line through the store (no direct channel); ``None`` where the watchdog's
+        """Every rank's closing line through the store; ``None`` where the watchdog's
         path must decide (a failure, the store gone)."""
         recorder, monitor, exchange = self._recorder, self._monitor, self._exchange
         assert recorder is not None and monitor is not None and exchange is not None
@@ -376,18 +332,14 @@ class CollectiveGuard:
         # ranks are new processes each job. So the highest count wins (one unguarded all-reduce, which
         # also tells every rank whether any rank's last install on this group failed: see _GroupCache).
         cache = _group_cache()
-        agreed = torch.tensor([_generation + 1, int(cache.dirty or direct.any_broken())],
+        agreed = torch.tensor([_generation + 1, int(cache.dirty)],
                               dtype=torch.int64, device=collectives._comm_device(None))
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         _generation, dirty = (int(x) for x in agreed.tolist())
         if dirty:
             cache.clients.clear()
             cache.groups = None
-            direct.reset()  # a failure can leave a channel's streams misaligned: every rank makes them anew
         cache.dirty = False
-        # The ranks' direct channel (one host, gloo), set up by the first install on this group: the guard's
-        # own small exchanges (closing check, step flags, confirmations) travel over it when there is one.
-        self._channel = direct.channel()
         self._cache = cache
         self._rank = dist.get_rank()
         self._depth = 0
@@ -412,8 +364,6 @@ class CollectiveGuard:
         self._interceptor = Interceptor(self)
         self._interceptor.install()
         collectives.register_guard(self._collectives_hook, self._collectives_mismatch)
-        self._waiter = _DirectWaiter(self)
-        direct.register_waiter(self._waiter)
         _active.add(self)
 
     def install_if_real(self, context: Callable[[], str | None] | None = None) -> bool:
@@ -440,12 +390,8 @@ class CollectiveGuard:
             self._interceptor.uninstall()
             self._interceptor = None
         collectives.unregister_guard(self._collectives_hook)
-        if self._waiter is not None:
-            direct.unregister_waiter(self._waiter)
-            self._waiter = None
         # (kept for the next install on this default group, unless this one failed: see _GroupCache)
         self._side_group = self._flags_group = None
-        self._channel = None
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
             monitor.leave()
@@ -508,104 +454,6 @@ class CollectiveGuard:
         if fp is not None:
             self._wait_confirmed(fp, op)
 
-    def exchange(self, op: str, match: str, payload: Tensor, group: Any = None) -> Tensor | None:
-        """One guarded collective that is checked and carries its data in a single round trip: on gloo,
-        every rank's token of the call and ``payload`` (at most ``SIDE_PAYLOAD`` bytes, the same dtype
-        and shape on every rank) are all-gathered together over the ranks' direct channel (one host), or
-        on ``confirm_first``'s own group. Returns every rank's payload, ``[world, *payload.shape]`` in rank order (on
-        the CPU), after the tokens were compared (a mismatch raises on every rank, as a check does).
-
-        Returns ``None``, having recorded nothing, where it does not apply (the guard off or inside a
-        guarded operation, neither a direct channel nor ``confirm_first``, not on gloo, a subgroup, a
-        payload too large or of bool dtype); the caller then runs its usual guarded collective. The choice depends only on what the
-        token holds (op, dtype, shape) and on settings every rank shares, so every rank of a matching call
-        takes the same path, and ranks at different calls meet in the same 64-byte exchange and are
-        told apart by their tokens. For the strategy's own small values (a ``self.log(sync_dist=True)``
-        value): one collective where a check and the call make two. ``match`` must name the payload's
-        dtype and shape."""
-        transport = self._transport()
-        if (transport is None or not (group is None or group is dist.GroupMember.WORLD)
-                or not _on_gloo(group) or payload.dtype == torch.bool
-                or payload.numel() * payload.element_size() > SIDE_PAYLOAD):
-            return None
-        fp = self._record(op, match, group, sys._getframe(1))
-        if fp is None:
-            return None
-        return self._side_exchange(fp, op, payload, transport)
-
-    def own_barrier(self) -> bool:
-        """The strategy's barrier (Lightning's ``strategy.barrier``) as one exchange of every rank's token over
-        the ranks' direct channel: ranks at different calls are told apart at once, and it costs a tenth of
-        gloo's barrier (measured: bench/bench_calls.py). Returns False where it does not apply (no direct
-        channel, the guard off or inside a guarded operation); the caller then runs its usual barrier.
-        Every rank takes the same path: the channel exists on every rank of the world or on none."""
-        transport = self._transport()
-        if transport is None or transport[0] is None:
-            return False
-        if self._refusal is not None:
-            self._refuse("torch.distributed.barrier", sys._getframe(2))
-        fp = self._record("strategy.barrier", "", None, sys._getframe(1))
-        if fp is None:
-            return False
-        self._side_exchange(fp, "strategy.barrier", None, transport)
-        return True
-
-    def own_broadcast_object(self, obj: Any, src: int = 0) -> list[Any] | None:
-        """The strategy's broadcast of a picklable object from global rank ``src`` (Lightning's
-        ``strategy.broadcast``) over the ranks' direct channel: every rank's token and the pickle's length
-        in one exchange, then the pickle (every rank sends a block of that length, each keeps ``src``'s);
-        one past ``direct.MAX_BYTES`` goes as one gloo broadcast of those bytes on the world group instead,
-        already checked. ``src`` keeps its own object, as with ``broadcast_object_list``. Returns
-        ``[object]``, or None where it does not apply (as :meth:`own_barrier`)."""
-        transport = self._transport()
-        if transport is None or transport[0] is None:
-            return None
-        ch = transport[0]
-        if self._refusal is not None:
-            self._refuse("torch.distributed.broadcast_object_list", sys._getframe(2))
-        fp = self._record("strategy.broadcast", f"src={src}", None, sys._getframe(1))
-        if fp is None:
-            return None
-        data, unpicklable = b"", None
-        if self._rank == src:
-            try:
-                data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as err:  # noqa: BLE001 - every rank is told, instead of waiting for the bytes
-                unpicklable = err
-        length = -1 if unpicklable is not None else len(data)
-        rows = self._side_exchange(fp, "strategy.broadcast", torch.tensor([length], dtype=torch.int64), transport)
-        assert rows is not None
-        size = int(rows[src, 0])
-        if size < 0:
-            raise LightningSyncError(
-                f"rank {self._rank}: strategy.broadcast from rank {src}: rank {src} could not pickle the object "
-                f"({f'{type(unpicklable).__name__}: {unpicklable}' if unpicklable else 'its own error says why'}); "
-                "broadcast only picklable objects (plain Python values, tensors).") from unpicklable
-        block = torch.zeros(size, dtype=torch.uint8)
-        if self._rank == src and size:
-            block.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        if size <= direct.MAX_BYTES:
-            got = ch.all_gather(block, "strategy.broadcast")[src]
-        else:  # the pickle made above, in one broadcast (not pickled again by broadcast_object_list)
-            self._depth += 1  # checked above: run by the interceptor, not recorded again
-            try:
-                dist.broadcast(block, src=src)
-            finally:
-                self._depth -= 1
-            got = block
-        return [obj if self._rank == src else pickle.loads(got.numpy().tobytes())]
-
-    def _transport(self) -> tuple[direct.DirectChannel | None, Any] | None:
-        """Where the strategy's own small collectives (:meth:`exchange`) can travel as one token exchange: the
-        direct channel, else ``confirm_first``'s own group, as one snapshot (the guard may be removed while the
-        exchange runs: a SIGTERM's handler); None where neither applies."""
-        ch, side = self._channel, self._side_group
-        if not self.active or self._depth:
-            return None
-        if ch is not None or (self.confirm_first and side is not None):
-            return ch, side
-        return None
-
     def own_broadcast(self, op: str, match: str, tensor: Tensor) -> None:
         """The strategy's per-step broadcast from rank 0 (its step flags: one layout, ``match``, from one
         call site), recorded as one guarded collective on the world's stream. With ``confirm_first`` it
@@ -615,13 +463,6 @@ class CollectiveGuard:
         ``ddp_sync``. Otherwise (and for a tensor not on the CPU) it is the guarded broadcast on the
         world group."""
         on_cpu = tensor.device.type == "cpu"
-        ch = self._channel
-        if ch is not None and on_cpu and self.active and not self._depth:
-            # Over the direct channel (a transport nothing else of the program's uses, like the flags group):
-            # every rank sends its tensor, every rank keeps rank 0's. Compared by the watchdog, as below.
-            self._record(op, match, None, sys._getframe(1))
-            tensor.copy_(ch.all_gather(tensor, op)[0])
-            return
         group = self._flags_group if on_cpu and self.confirm_first and self.active and not self._depth else None
         if group is None:
             with self.guarded(op, match):
@@ -641,38 +482,23 @@ class CollectiveGuard:
         if side is None or not (group is None or group is dist.GroupMember.WORLD):
             self._wait_confirmed(fp, op)
             return
-        self._side_exchange(fp, op, None, (self._channel, side))
+        self._side_exchange(fp, op, side)
 
-    def _side_exchange(self, fp: Fingerprint, op: str, payload: Tensor | None,
-                       transport: tuple[direct.DirectChannel | None, Any]) -> Tensor | None:
-        """Every rank's token of ``fp`` and ``payload`` in one exchange over ``transport`` (the direct channel,
-        else ``confirm_first``'s group), chosen by the caller before it recorded ``fp``."""
-        token = zlib.crc32("\x1f".join(fp.key(self.match_call_sites)).encode()) or 1
-        world = dist.get_world_size()
-        block = torch.zeros(_SIDE_BLOCK, dtype=torch.uint8)
-        block[:8] = torch.tensor([token], dtype=torch.int64).view(torch.uint8)
-        size = 0
-        if payload is not None:
-            raw = payload.detach().to("cpu").reshape(-1).contiguous().view(torch.uint8)
-            size = raw.numel()
-            block[8:8 + size] = raw
-        ch, side = transport
-        if ch is not None:  # the direct channel is a transport of its own, like the side group
-            rows = ch.all_gather(block, "guard confirmation")
-        else:
-            every = torch.empty(world * _SIDE_BLOCK, dtype=torch.uint8)
-            self._depth += 1  # the exchange itself is not a user's collective
-            try:
-                all_gather_single(every, block, group=side)
-            finally:
-                self._depth -= 1
-            rows = every.view(world, _SIDE_BLOCK)
-        tokens = rows[:, :8].contiguous().view(torch.int64).reshape(-1).tolist()
+    def _side_exchange(self, fp: Fingerprint, op: str, side: Any) -> None:
+        """Every rank's token of ``fp`` in one all-gather on ``confirm_first``'s own group ``side``; raises on
+        every rank when they differ."""
+        # one int64 a rank whatever the call: ranks at different calls still pair on the wire (gloo aborts on a
+        # size mismatch) and find the difference in the tokens
+        token = torch.tensor([zlib.crc32("\x1f".join(fp.key(self.match_call_sites)).encode()) or 1])
+        every = torch.empty(dist.get_world_size(), dtype=torch.int64)
+        self._depth += 1  # the exchange itself is not a user's collective
+        try:
+            all_gather_single(every, token, group=side)
+        finally:
+            self._depth -= 1
+        tokens = every.tolist()
         if len(set(tokens)) > 1:
             raise self._collectives_mismatch(op, None, dict(enumerate(tokens)))
-        if payload is None:
-            return None
-        return rows[:, 8:8 + size].contiguous().view(payload.dtype).reshape(world, *payload.shape)
 
     def _wait_confirmed(self, fp: Fingerprint, op: str, stream: str | None = None) -> None:
         """Block until the neighbouring rank's sequence of ``stream`` (default: the last collective's)
@@ -792,24 +618,6 @@ class CollectiveGuard:
         error.__cause__ = err
         monitor.fail(error)
         return error
-
-    def _explain_exchange_mismatch(self, err: CollectiveMismatchError) -> BaseException:
-        """Ranks met at different exchanges of the direct channel, which knows only what each exchange was.
-        Where the guard recorded the collectives around them, the watchdog's comparison names the call sites
-        within a turn or two: that error wins; else the channel's, which then fails the guard."""
-        monitor = self._monitor
-        if monitor is None:
-            return err
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            failure = self._failure()
-            if failure is not None:
-                failure.__cause__ = err
-                return failure
-            monitor.wake()
-            time.sleep(0.01)
-        monitor.fail(err, stack=False)  # posted: ranks outside the exchange learn the cause too
-        return err
 
     def _check_layout(self, name: str, tensor: Tensor, group: Any) -> None:
         """Before a collective that needs one shape on every rank runs: compare the ranks' shapes and dtypes

@@ -52,28 +52,6 @@ def _divide_by_world(tensor: Tensor, world: int) -> Tensor:
     """A sum made a mean, in place, as Lightning's gloo ``mean`` does (integer tensors keep their dtype)."""
     return tensor.copy_(tensor / world) if not torch.is_floating_point(tensor) else tensor.div_(world)
 
-#: ``reduce_op`` names whose result :func:`_reduce_rows` computes from every rank's row as the all_reduce would
-_ROW_REDUCTIONS = frozenset({"sum", "mean", "avg", "max", "min", "product"})
-
-
-def _reduce_rows(tensor: Tensor, rows: Tensor, op: str) -> Tensor:
-    """``_all_reduce``'s result from every rank's value (``rows``: ``[world, *tensor.shape]``, rank order),
-    written into ``tensor`` as the in-place all_reduce would ("mean": the sum divided by the world size,
-    integer tensors keeping their dtype). The sum is taken in rank order, the same on every rank; with
-    two ranks it is the all_reduce's bit for bit (``a + b``), with more the last bit may differ from
-    gloo's ring order."""
-    with torch.no_grad():  # as the all_reduce: in place, outside autograd
-        if op in ("sum", "mean", "avg"):
-            out = rows.sum(0, dtype=rows.dtype)
-        elif op == "max":
-            out = rows.amax(0)
-        elif op == "min":
-            out = rows.amin(0)
-        else:
-            out = rows.prod(0, dtype=rows.dtype)
-        tensor.copy_(out)
-        return _divide_by_world(tensor, rows.shape[0]) if op in ("mean", "avg") else tensor
-
 
 _P = TypeVar("_P", bound=Part)
 
@@ -197,13 +175,6 @@ class SyncStrategyMixin:
         op = reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1].lower()
         match = f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(map(str, tensor.shape))}] op={op}"
         several = dist.get_world_size(group) > 1
-        if several and op.lower() in _ROW_REDUCTIONS:
-            # a small value is checked and sent in one exchange (every rank's row) over the ranks' direct channel
-            # (or confirm_first's group), then reduced here in rank order: one round trip where Lightning's
-            # barrier and all_reduce make two on gloo (None: not applicable)
-            rows = guard.guard.exchange("strategy.reduce", match, tensor, group)
-            if rows is not None:
-                return _reduce_rows(tensor, rows, op.lower())
         with guard.guarded("strategy.reduce", match, group) as confirmed:
             if confirmed and several:
                 # Every rank's token of this call was compared before its data moves (confirm_first):
@@ -296,9 +267,7 @@ class SyncStrategyMixin:
         if _compat.is_run_stage_barrier(name) and module is not None:
             for p in self._parts:
                 p.run_stage_started(self, module.trainer)
-        guard = self.guard
-        if guard is None or not guard.own_barrier():  # over the ranks' direct channel where there is one
-            super().barrier(name)  # type: ignore[misc]
+        super().barrier(name)  # type: ignore[misc]
 
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
@@ -329,12 +298,7 @@ class SyncStrategyMixin:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         # src passed only where it is not the default, as Lightning's own callers do (its tests patch the
         # method with a one-argument stand-in: strategies/test_model_parallel.py)
-        guard = self.guard
-        box = guard.own_broadcast_object(obj, src) if guard is not None else None  # the direct channel
-        if box is not None:
-            out = box[0]
-        else:
-            out = super().broadcast(obj, src) if src else super().broadcast(obj)  # type: ignore[misc]
+        out = super().broadcast(obj, src) if src else super().broadcast(obj)  # type: ignore[misc]
         pending = self.__dict__.get("_save_path_broadcast")
         if pending is not None and not pending:  # the first broadcast inside save_checkpoint: its path
             pending.append(out)

@@ -495,7 +495,7 @@ def test_trainer_warnings_and_stop_together(tmp_path: Path) -> None:
 
 
 def _frozen(rank: int, world: int, where: str) -> None:
-    with CollectiveGuard(timeout=3):
+    with CollectiveGuard(timeout=3, kill_stopped_peers=True):
         dist.barrier()
         if rank == 1 and where == "before":
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen before a guarded collective
@@ -510,7 +510,7 @@ def _frozen(rank: int, world: int, where: str) -> None:
 
 def _frozen_before_ddp(rank: int, world: int) -> None:
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
-    with CollectiveGuard(timeout=3):
+    with CollectiveGuard(timeout=3, kill_stopped_peers=True):
         dist.barrier()
         if rank == 1:
             os.kill(os.getpid(), signal.SIGSTOP)

@@ -173,3 +173,40 @@ def test_a_rank_that_stopped_guarding_is_not_called_frozen() -> None:
     group[0].monitor.turn()
     group[0].monitor.turn()
     assert group[0].monitor.failure is None
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["default_leaves_it", "kill_stopped_peers"])
+def test_a_stopped_peer_is_ended_only_when_asked(kill: bool) -> None:
+    """A real stopped process (SIGSTOP: what a debugger's breakpoint looks like from outside) is named as stopped;
+    the guard sends it SIGKILL only with kill_stopped_peers, and says so either way."""
+    import signal
+    import socket
+    import subprocess
+
+    peer = subprocess.Popen(["sleep", "60"])
+    try:
+        peer.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while True:  # the signal is delivered asynchronously
+            with open(f"/proc/{peer.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if fields[0] == "T" or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        start = fields[19]
+        group = ranks(2)
+        me = group[0]
+        me.monitor.kill_stopped = kill
+        beat = {"pid": peer.pid, "host": socket.gethostname(), "start": start, "time": time.time() - 600}
+        me.exchange.heartbeats = lambda members: {1: beat}  # type: ignore[method-assign]  # the peer's last beat
+        states = me.monitor.peer_states("w", 0)
+        assert [(s.rank, s.status) for s in states] == [(1, "stopped")]
+        written = "".join(me.written)
+        if kill:
+            assert peer.wait(timeout=10) == -signal.SIGKILL and "sent SIGKILL to the stopped rank 1" in written
+        else:
+            time.sleep(0.3)
+            assert peer.poll() is None and "left as it is" in written and "kill_stopped_peers=True" in written
+    finally:
+        peer.kill()
+        peer.wait()

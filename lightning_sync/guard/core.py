@@ -129,6 +129,12 @@ class CollectiveGuard:
         check_every: accepted for compatibility; the guard no longer waits before collectives, so
             there is nothing to sample (every collective is compared).
         interval: seconds between two turns of the watchdog (publish, compare, heartbeat).
+        kill_stopped_peers: when a rank of a failed run is found stopped on this host (SIGSTOP, a
+            debugger), end it with SIGKILL so that no process is left behind. Off by default: the
+            report names the stopped rank and leaves it alone.
+        exit_grace: seconds after a failure that the training thread did not raise (it is blocked where
+            Python cannot, e.g. in DDP's C++ all-reduce) before the rank writes its report and ends
+            with exit code 70. Default ``max(30, min(timeout, 120))``; ``math.inf``: never.
         confirm_first: on gloo, before a checked collective's data moves, every rank's token of it
             (op, shapes, call site) is compared in one all-gather of 8 bytes a rank on a gloo group
             of the guard's own.
@@ -142,13 +148,17 @@ class CollectiveGuard:
 
     def __init__(self, timeout: float = 120.0, hang_timeout: float | None = None, match_call_sites: bool = True,
                  stream: IO[str] | None = None, history: int = 8, check_every: int = 1,
-                 interval: float = 0.1, confirm_first: bool = False) -> None:
+                 interval: float = 0.1, confirm_first: bool = False, kill_stopped_peers: bool = False,
+                 exit_grace: float | None = None) -> None:
         if not isinstance(check_every, int) or check_every < 1:
             raise ValueError(f"CollectiveGuard(check_every={check_every!r}): must be a positive int.")
         if not timeout > 0:
             raise ValueError(f"CollectiveGuard(timeout={timeout!r}): the timeout must be a positive number of seconds.")
         if hang_timeout is not None and not hang_timeout > 0:
             raise ValueError(f"CollectiveGuard(hang_timeout={hang_timeout!r}): must be positive seconds or None.")
+        if exit_grace is not None and not exit_grace > 0:
+            raise ValueError(f"CollectiveGuard(exit_grace={exit_grace!r}): must be positive seconds (math.inf: "
+                             "never), or None for the default.")
         if not 0 < interval <= 5:
             raise ValueError(f"CollectiveGuard(interval={interval!r}): must be in (0, 5] seconds.")
         self.check_every = check_every
@@ -159,6 +169,8 @@ class CollectiveGuard:
         self.history_size = history
         self.interval = interval
         self.confirm_first = bool(confirm_first)
+        self.kill_stopped_peers = bool(kill_stopped_peers)
+        self.exit_grace = None if exit_grace is None else float(exit_grace)
         self._side_group: Any = None  # confirm_first's own gloo group (made at install)
         self._flags_group: Any = None  # and one for own_broadcast only
         self._cache: _GroupCache | None = None  # what this install shares with the others on its group
@@ -199,7 +211,8 @@ class CollectiveGuard:
         # The strategy travels to spawned ranks pickled: send the settings, not the live state.
         return {"timeout": self.timeout, "hang_timeout": self._hang_timeout, "match_call_sites": self.match_call_sites,
                 "history": self.history_size, "check_every": self.check_every, "interval": self.interval,
-                "confirm_first": self.confirm_first}
+                "confirm_first": self.confirm_first, "kill_stopped_peers": self.kill_stopped_peers,
+                "exit_grace": self.exit_grace}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
@@ -353,7 +366,7 @@ class CollectiveGuard:
         self._exchange = Exchange(store, self._rank, dist.get_world_size(), self.match_call_sites)
         self._exchange.start()
         self._monitor = Monitor(self._exchange, self._recorder, self.timeout, self.hang_timeout, self._write,
-                                interval=self.interval)
+                                interval=self.interval, grace=self.exit_grace, kill_stopped=self.kill_stopped_peers)
         self._monitor.group_alive = dist.is_initialized
         self._monitor.owner_stop = self.uninstall
         self._monitor.start()

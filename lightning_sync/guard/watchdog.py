@@ -47,8 +47,9 @@ class StoreLostError(LightningSyncError):
 
 
 def probe(beat: dict[str, Any]) -> str:
-    """``"alive"``, ``"stopped"``, ``"dead"`` or ``"unknown"`` (another host) for a rank's published identity."""
-    if beat.get("host") != socket.gethostname():
+    """``"alive"``, ``"stopped"``, ``"dead"`` or ``"unknown"`` (another host, or a platform without Linux's
+    ``/proc``, where a silent peer is reported as silent instead) for a rank's published identity."""
+    if beat.get("host") != socket.gethostname() or not os.path.isdir("/proc/self"):
         return "unknown"
     try:
         with open(f"/proc/{beat['pid']}/stat") as f:
@@ -66,11 +67,13 @@ class Monitor:
     The failure is raised by the training thread at its next guarded collective (or while it waits
     in one). If that thread does not pick it up within ``grace`` s (it is blocked where Python
     cannot raise, e.g. DDP's gradient all-reduce), the report and the stacks are written and the
-    process ends with exit code 70, so no rank of a failed run is left behind.
+    process ends with exit code 70, so no rank of a failed run is left behind (``grace=math.inf``: never).
+    A peer on this host found stopped (SIGSTOP, a debugger) is sent SIGKILL only with ``kill_stopped``.
     """
 
     def __init__(self, exchange: Exchange, recorder: Recorder, timeout: float, hang_timeout: float,
-                 write: Callable[[str, bool], None], interval: float = 0.1, grace: float | None = None) -> None:
+                 write: Callable[[str, bool], None], interval: float = 0.1, grace: float | None = None,
+                 kill_stopped: bool = False) -> None:
         self.exchange = exchange
         self.recorder = recorder
         self.timeout = timeout
@@ -78,6 +81,7 @@ class Monitor:
         self.interval = interval
         # long enough for the usual ending (a failed peer exits, its connections close, this rank raises)
         self.grace = grace if grace is not None else max(30.0, min(timeout, 120.0))
+        self.kill_stopped = kill_stopped
         self.stale_after = min(timeout, max(2.0, 20 * interval))
         self._write = write
         self._lock = threading.Lock()
@@ -317,7 +321,12 @@ class Monitor:
 
     def _end_stopped(self, rank: int, beat: dict[str, Any]) -> None:
         # A stopped rank can neither raise nor exit, and a stopped process ignores every signal but
-        # SIGKILL: end it, so the failed run leaves no process behind (identity checked by start time).
+        # SIGKILL. It may be a rank under a debugger: ended only where the user asked for it.
+        if not self.kill_stopped:
+            self._write(f"[lightning_sync guard] rank {self.exchange.rank}: rank {rank} (process {beat['pid']}) is "
+                        "stopped and was left as it is (a debugger?); end it yourself, or pass "
+                        "CollectiveGuard(kill_stopped_peers=True) to have the guard end stopped ranks.\n", False)
+            return
         try:
             os.kill(int(beat["pid"]), signal.SIGKILL)
             self._write(f"[lightning_sync guard] rank {self.exchange.rank}: sent SIGKILL to the stopped rank {rank} "

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_sync import collectives
 from lightning_sync._compat.torch_api import DDP_IGNORE_ATTR, ddp_ignored_names
 from lightning_sync.errors import ParameterDivergenceError, RankMismatchError, format_ranks
-from lightning_sync.guard.checksums import checksum, named_tensors, parameter_checksums, replica_group_key
+from lightning_sync.guard.checksums import checksum, named_tensors, replica_group_key
 
 __all__ = ["ParameterConsistencyCheck", "check_replicas", "warn_if_initial_parameters_differ"]
 
@@ -133,7 +133,9 @@ def warn_if_initial_parameters_differ(module: torch.nn.Module, ddp_kwargs: Mappi
     kept = ({n: "no DDP wrap copies rank 0's values" for n, _ in [*module.named_parameters(),
                                                                     *module.named_buffers()]}
             if not wrapped else _kept_at_wrap(module, ddp_kwargs))
-    mine = [(name, value) for name, value in parameter_checksums(module, buffers=True) if name in kept]
+    # only what the wrap keeps (usually nothing): a checksum reads its whole tensor. The gather runs
+    # on every rank even with nothing to compare, so the ranks stay in step.
+    mine = [(name, checksum(tensor)) for name, tensor in named_tensors(module, buffers=True) if name in kept]
     gathered = collectives.gather_objects(mine, safe=True)
     assert gathered is not None
     if all(g == gathered[0] for g in gathered):

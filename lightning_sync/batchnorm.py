@@ -347,7 +347,7 @@ class SyncBatchNorm(BatchNormBase):
         the steady state costs no extra collective."""
         checked = _CHECKED_GROUPS.get(self)
         if checked is not None and checked() is group and group is not None:
-            portable = self._device().type != "cuda" or "gloo" in str(dist.get_backend(group)).lower()
+            portable = collectives.backend_for(group, self._device()) == "gloo" or self._device().type != "cuda"
             if problem is not None and portable:  # join this step's statistics exchange with a flag, then explain
                 flag = torch.full((2 * self.num_features + 1,), -1.0, dtype=torch.float64, device=self._device())
                 collectives.all_gather_rows(flag, group)
@@ -415,7 +415,7 @@ class SyncBatchNorm(BatchNormBase):
         # non-gloo backends); everything else takes the portable path, and so does every rank in a step
         # with a stand-in batch (joined_step), which torch's kernels would count.
         stand_in = _JOINED.get()
-        if stand_in is None and input.is_cuda and "gloo" not in str(dist.get_backend(group)).lower():
+        if stand_in is None and input.is_cuda and collectives.backend_for(group, input.device) != "gloo":
             return TorchSyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean, running_var,  # type: ignore[no-untyped-call,no-any-return]
                                              self.eps, factor, group, world_size)
         return _PortableSyncBatchNorm.apply(input, self.weight, self.bias, running_mean,  # type: ignore[no-untyped-call,no-any-return]
@@ -575,7 +575,7 @@ def dedicated_group() -> dist.ProcessGroup | None:
     global _DEDICATED
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return None
-    if "gloo" not in str(dist.get_backend()).lower():
+    if collectives.backend_for(None, "cpu") != "gloo":
         return None
     world = dist.group.WORLD
     if _DEDICATED is None or _DEDICATED[0] is not world:
@@ -609,7 +609,7 @@ def share_running_stats(model: nn.Module) -> list[str]:
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return []
-    if "gloo" not in str(dist.get_backend()).lower():
+    if collectives.backend_for(None, "cpu") != "gloo":
         return []
     world = dist.get_world_size()
     names: list[str] = []

@@ -50,6 +50,7 @@ __all__ = [
     "all_gather_uneven",
     "all_gather_uneven_dict",
     "all_reduce",
+    "backend_for",
     "broadcast_object",
     "broadcast_seed",
     "check_same_layout",
@@ -118,12 +119,26 @@ def _value(obj: Any, limit: int = 80) -> str:
 # metadata exchange
 
 
+def backend_for(group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> str:
+    """The backend that carries a collective of tensors on ``device`` over ``group`` (``None``: the world):
+    ``"gloo"``, ``"nccl"``, or whatever name torch reports, in lower case. A group made with one backend per
+    device type (``"cpu:gloo,cuda:nccl"``) is resolved for ``device``'s type; a device type it has no backend
+    for gets its first one. Every question "is this call on gloo or on NCCL?" in lightning_sync is asked
+    here, so a mixed group sends CPU tensors through gloo and CUDA tensors through NCCL alike everywhere.
+    Raises ``ValueError`` where this rank is not a member of ``group`` (as ``dist.get_backend`` does)."""
+    spec = str(dist.get_backend(group)).lower()
+    if ":" not in spec:
+        return spec
+    table = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return table.get(kind) or next(iter(table.values()))
+
+
 def _comm_device(group: dist.ProcessGroup | None, tensor: Any = None) -> torch.device:
     """The device a payload must live on for ``group``'s backend."""
     if isinstance(tensor, Tensor) and tensor.device.type == "cuda":
         return tensor.device
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" not in backend and "nccl" in backend:
+    if backend_for(group, "cpu") == "nccl":  # a group with no CPU backend
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -137,7 +152,7 @@ def _device_barrier(group: dist.ProcessGroup | None = None, device_index: int | 
     the wrong GPU. ``device_index``: this rank's GPU (default: the current CUDA device).
     """
     kwargs: dict[str, Any] = {}
-    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
+    if backend_for(group, "cuda") == "nccl" and torch.cuda.is_available():
         kwargs["device_ids"] = [torch.cuda.current_device() if device_index is None else device_index]
     return dist.barrier(group=group, async_op=async_op, **kwargs)
 

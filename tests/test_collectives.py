@@ -335,3 +335,38 @@ def test_object_payloads_never_call_torch_save(monkeypatch: pytest.MonkeyPatch) 
         back = C._from_bytes(C._to_bytes(state), safe=safe)
         assert torch.equal(back["torch"], state["torch"]) and torch.equal(back["keys"], state["keys"])
     assert calls == []
+
+
+def _mixed_group(rank: int, world: int, init_file: str) -> dict:
+    """A group with one backend per device type, as `init_process_group("cpu:gloo,cuda:nccl")` makes; this machine
+    has no CUDA, so the CUDA slot holds a backend registered under another name (a gloo one underneath)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from lightning_sync.guard.intercept import runs_on_gloo
+    from lightning_sync.parts.mixin import _all_reduce
+
+    dist.Backend.register_backend("lsync_cuda_slot", lambda store, r, size, timeout: dist.ProcessGroupGloo(
+        store, r, size, timeout), devices=["cuda"])
+    dist.init_process_group("cpu:gloo,cuda:lsync_cuda_slot", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    try:
+        mean = _all_reduce(torch.tensor([float(rank + 1)]), None, "mean")  # gloo has no AVG: a sum, then / world
+        return {"spec": dist.get_backend(), "cpu": C.backend_for(None, "cpu"), "cuda": C.backend_for(None, "cuda"),
+                "cuda0": C.backend_for(None, torch.device("cuda", 0)), "other": C.backend_for(None, "meta"),
+                "plain": C.backend_for(dist.new_group(backend="gloo"), "cuda"),
+                "cpu_call_on_gloo": runs_on_gloo("all_reduce", (torch.ones(1),), {}), "mean": mean.item()}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_backend_for_resolves_a_mixed_group_per_device(tmp_path) -> None:
+    """Issue 40, point 3: one resolver answers "gloo or NCCL?" for a group and a tensor's device; a mixed group
+    sends CPU tensors to its CPU backend (here Lightning's sync_dist mean on CPU took AVG, which gloo refuses,
+    where the group's name was compared with "gloo" as a whole)."""
+    results = run_ranks(_mixed_group, world_size=2, args=(str(tmp_path / "rendezvous"),), timeout=60, init=False)
+    for r in results:
+        assert r == {"spec": "cpu:gloo,cuda:lsync_cuda_slot", "cpu": "gloo", "cuda": "lsync_cuda_slot",
+                     "cuda0": "lsync_cuda_slot", "other": "gloo", "plain": "gloo", "cpu_call_on_gloo": True,
+                     "mean": 1.5}

@@ -25,6 +25,7 @@ import lightning_sync as ls
 from lightning_sync import collectives
 from lightning_sync import guard as ls_guard
 from lightning_sync.guard import CollectiveGuard, configure_nccl_flight_recorder
+from lightning_sync.guard.core import DDP_BUCKET_SITE
 from tests.distributed import run_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_guard.py"
@@ -433,8 +434,8 @@ LOSS_LINE = _line('self.log("loss"')
 SCENARIOS = {
     "rank0_log": ("CollectiveMismatchError", [
         f"rank 0 at fit_guard.py:{_line('rank0_loss')} training_step (metric 'rank0_loss'): strategy.reduce "
-        "float32[] op=mean", "rank 1 never reached it", f"fit_guard.py:{LOSS_LINE} training_step (metric 'loss')"],
-        [0]),
+        "float32[] op=mean", f"rank 1 at {DDP_BUCKET_SITE}: DDP gradient all-reduce float32[49] bucket 0"],
+        [0, 1]),
     "rank0_broadcast": ("CollectiveMismatchError", [
         f"rank 0 at fit_guard.py:{_line('torch.zeros(3), src=0')} on_train_batch_end: broadcast float32[3] src=0"],
         [0]),
@@ -461,6 +462,45 @@ def test_trainer_mistake_raises_precise_error(tmp_path: Path, scenario: str) -> 
         for text in texts:
             assert text in error["message"], error["message"]
     assert not _lightning_procs(tmp_path), "a rank was left behind"
+
+
+# the classic mistakes of issue 40: a collective on rank 0 only while rank 1 goes on (into DDP's backward, or the
+# next validation batch's sync_dist); with the default guard_timeout (120 s) they must end in seconds
+CLASSIC = {
+    "rank0_all_reduce": (f"rank 0 at fit_guard.py:{_line('all_reduce(loss.detach()')} training_step: all_reduce "
+                         "float32[] op=sum", f"rank 1 at {DDP_BUCKET_SITE}: DDP gradient all-reduce"),
+    "rank0_barrier": (f"rank 0 at fit_guard.py:{_line('distributed.barrier()')} training_step: barrier",
+                      f"rank 1 at {DDP_BUCKET_SITE}: DDP gradient all-reduce"),
+    "rank0_all_reduce_val": (f"rank 0 at fit_guard.py:{_line('all_reduce(x.sum())')} validation_step: all_reduce",
+                             "(metric 'val_loss'): strategy.reduce"),
+    "rank0_log": (f"rank 0 at fit_guard.py:{_line('rank0_loss')} training_step (metric 'rank0_loss')",
+                  f"rank 1 at {DDP_BUCKET_SITE}: DDP gradient all-reduce"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", sorted(CLASSIC))
+def test_classic_mistake_ends_every_rank_in_seconds_at_the_default_timeout(tmp_path: Path, scenario: str) -> None:
+    """Issue 40: at the default guard_timeout (120 s) each classic mistake is a CollectiveMismatchError on every
+    rank within 15 s of the mistake, naming both call sites (DDP's gradient buckets are recorded: the guard sees
+    rank 1 in backward), with one guard report per rank and a short output."""
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = subprocess.run(["timeout", "-k", "5", "200", sys.executable, str(SCRIPT), "--out", str(out), "--scenario",
+                           scenario, "--guard-timeout", "120"], capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    made = float((out / "mistake_at").read_text())
+    for report in reports:
+        error = report["error"]
+        assert error is not None and error["type"] == "CollectiveMismatchError", report
+        assert all(text in error["message"] for text in CLASSIC[scenario]), error["message"]
+        assert error["at"] - made < 15, f"rank {report['rank']}: {error['at'] - made:.1f} s after the mistake"
+    output = proc.stdout + proc.stderr
+    for rank in range(2):
+        assert output.count(f"[lightning_sync guard] rank {rank}: CollectiveMismatchError") <= 1, output
+    assert len(output.splitlines()) < 300, len(output.splitlines())
+    assert not _lightning_procs(out), "a rank was left behind"
 
 
 @pytest.mark.slow

@@ -168,15 +168,16 @@ def _calls_after_fit(out: Path, *args: str) -> list[dict]:
 @pytest.mark.slow
 def test_trainer_calls_after_fit_make_ddps_collectives(tmp_path: Path) -> None:
     """validate/test/predict after fit: Lightning's barriers, its sync_dist reductions and its object broadcasts
-    are Lightning's own under ddp_sync (torch's transport, no channel of ours), so each call makes ddp's
-    collectives plus one (the guard's start-up agreement); the values are those of ddp where the exact
-    evaluation changes nothing (a max), and the same on every rank and in every repeated call."""
+    are Lightning's own under ddp_sync (torch's transport, no channel of ours): each call makes ddp's
+    collectives, at most one token confirmation on the guard's own group before each, and the guard's start-up
+    agreement; the values are those of ddp where the exact evaluation changes nothing (a max), and the same on
+    every rank and in every repeated call."""
     ours, theirs = _calls_after_fit(tmp_path / "ours"), _calls_after_fit(tmp_path / "ddp", "--strategy", "ddp")
     for r in ours + theirs:
         assert "error" not in r, r["error"]
     for call in ("validate", "test", "predict", "validate_again"):
         counts = [(a[call]["collectives"], b[call]["collectives"]) for a, b in zip(ours, theirs)]
-        assert all(a == b + 1 for a, b in counts), counts
+        assert all(b < a <= 2 * b + 1 for a, b in counts), counts
     assert ours[0]["validate"]["value"] == ours[1]["validate"]["value"] == ours[0]["validate_again"]["value"]
     assert ours[0]["validate"]["value"][0]["val_max"] == theirs[0]["validate"]["value"][0]["val_max"]
     assert ours[0]["test"]["value"] == ours[1]["test"]["value"]

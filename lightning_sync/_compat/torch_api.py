@@ -12,7 +12,8 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from lightning_sync._compat import TouchPoint
 
 __all__ = ["DDP_IGNORE_ATTR", "LIGHTNING_RESULT_FILE", "TOUCH_POINTS", "BatchNormBase", "TorchSyncBatchNormFunction",
-           "all_gather_single", "ddp_ignored_names", "default_store", "flight_recorder_dump", "init_process_group_kwargs",
+           "all_gather_single", "ddp_ignored_names", "default_store", "dynamo_callback", "flight_recorder_dump",
+           "init_process_group_kwargs",
            "rank_not_in_group",
            "raise_group_count"]
 
@@ -23,6 +24,23 @@ def all_gather_single(output: Any, input: Any, group: Any = None, async_op: bool
     # blocked here can still raise the guard's error (lightning_sync.guard.intercept).
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=async_op)
+
+
+def _no_dynamo_callback() -> None:
+    return None
+
+
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
+except ImportError:  # a build without Dynamo: no code of this thread ever runs under torch.compile
+    _get_eval_frame_callback = _no_dynamo_callback
+
+#: Dynamo's frame callback of this thread (C, ~20 ns): not None while the thread runs code under
+#: ``torch.compile`` (a compiled function's frames and the eager fallbacks of its graph breaks), None in
+#: eager code, including a ``torch.compiler.disable`` region. An alias, not a wrapper: it is called on the
+#: collective guard's hot path (``lightning_sync.guard.intercept``).
+dynamo_callback: Any = _get_eval_frame_callback
+
 
 #: The attribute DDP reads for names it must not synchronise (set by
 #: ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``).
@@ -121,6 +139,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                lambda: any(callable(getattr(getattr(torch._C, "_distributed_c10d", None), name, None))
                            for name in ("_dump_fr_trace", "_dump_nccl_trace"))
                or not hasattr(torch._C, "_distributed_c10d")),
+    TouchPoint("torch._C._dynamo.eval_frame.get_eval_frame_callback",
+               "the collective guard hands collectives run under torch.compile to torch unrecorded",
+               lambda: _get_eval_frame_callback is not _no_dynamo_callback and dynamo_callback() is None),
     TouchPoint("torch.distributed.distributed_c10d._world.group_count",
                "process groups of successive torchrun jobs (launcher)", _group_count_exists),
 )

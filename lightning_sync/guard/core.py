@@ -32,7 +32,7 @@ from lightning_sync.errors import CollectiveMismatchError, LightningSyncError, R
 from lightning_sync.guard import report
 from lightning_sync.guard.callsite import CallSites, is_trusted
 from lightning_sync.guard.fingerprint import Fingerprint, Recorder
-from lightning_sync.guard.intercept import Interceptor, group_backend
+from lightning_sync.guard.intercept import Interceptor
 from lightning_sync.guard.protocol import Exchange, stream_key
 from lightning_sync.guard.watchdog import Monitor, StoreLostError, dump_stacks
 
@@ -136,14 +136,14 @@ class CollectiveGuard:
             Python cannot, e.g. in DDP's C++ all-reduce) before the rank writes its report and ends
             with exit code 70. Default ``max(30, min(timeout, 120))``; ``math.inf``: never.
         confirm_first: on gloo, before a checked collective's data moves, every rank's token of it
-            (op, shapes, call site) is compared in one all-gather of 8 bytes a rank on a gloo group
-            of the guard's own.
-            For programs whose other collectives the guard does not see (FSDP2's all-gathers and
-            reduce-scatters, trusted): a check on the program's group, or a collective on one rank
-            only, would pair on the wire with one of those, and gloo aborts the process on the size
-            mismatch. A rank that never reaches the call is named after
-            ``timeout``. The default (False) compares shapes with one small exchange on the call's
-            own group.
+            (op, shapes, call site) is compared in one all-gather of 8 bytes a rank on a gloo group of
+            the guard's own. Done by default for calls on the world group, where DDP's gradient
+            all-reduce runs (a check there, or a collective on one rank only, would pair on the wire
+            with a gradient bucket, and gloo aborts the process on the size mismatch);
+            ``confirm_first=True`` does it for subgroups too (through the store: a watchdog turn), for
+            programs whose other collectives the guard does not see (FSDP2's all-gathers and
+            reduce-scatters). Otherwise a same-shape call on a subgroup compares shapes with one small
+            exchange on its own group. A rank that never reaches the call is named after ``timeout``.
     """
 
     def __init__(self, timeout: float = 120.0, hang_timeout: float | None = None, match_call_sites: bool = True,
@@ -370,7 +370,10 @@ class CollectiveGuard:
         self._monitor.group_alive = dist.is_initialized
         self._monitor.owner_stop = self.uninstall
         self._monitor.start()
-        if self.confirm_first and self._side_group is None:
+        if self._side_group is None and _on_gloo(None):
+            # Two gloo groups of the guard's own (none on NCCL): a call's token compared on one of them
+            # cannot pair on the wire with a collective the other ranks make on the program's group
+            # (DDP's gradient all-reduce, FSDP2's all-gathers), where gloo would abort on the size mismatch.
             if cache.groups is None:
                 cache.groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
             self._side_group, self._flags_group = cache.groups
@@ -414,8 +417,23 @@ class CollectiveGuard:
         _active.discard(self)
 
     def watch_module(self, module: torch.nn.Module) -> None:
-        """Reject ``all_reduce`` calls on ``module``'s parameters or gradients (DDP already syncs them)."""
+        """Reject ``all_reduce`` calls on ``module``'s parameters or gradients (DDP already syncs them); for a
+        ``DistributedDataParallel`` module, also record its gradient all-reduces (:meth:`watch_ddp`)."""
         self._module = weakref.ref(getattr(module, "module", module))  # names as the user knows them
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            self.watch_ddp(module)
+
+    def watch_ddp(self, model: torch.nn.parallel.DistributedDataParallel) -> bool:
+        """Record every gradient bucket DDP all-reduces in backward as a guarded collective, so that a
+        collective one rank makes while the others are in backward is a mismatch found within a watchdog turn,
+        not a stall found after ``timeout``. Through DDP's public communication hook (torch's own
+        ``allreduce_hook``, which gives the same numbers as no hook); DDP takes one hook, so a model that has
+        one already (``DDPStrategy(ddp_comm_hook=...)`` on CUDA) is left as it is: returns False then."""
+        try:
+            model.register_comm_hook(_BucketHookState(self, model.process_group), _recording_allreduce_hook)
+        except RuntimeError:  # a hook registered another way (a builtin hook): DDP allows one
+            return False
+        return True
 
     def guarded(self, op: str, match: str = "", group: Any = None) -> Any:
         """Context manager: record ``op`` as one collective, then run the block (nested collectives pass).
@@ -430,7 +448,7 @@ class CollectiveGuard:
         fp = self._record(op, match, group, sys._getframe(1))
         if fp is None:
             return _NOTHING
-        confirmed = self.confirm_first and _on_gloo(group)
+        confirmed = self._confirms(group)
         if confirmed:
             self._confirm(fp, op, group)
         return _Guarded(self, confirmed)
@@ -469,14 +487,13 @@ class CollectiveGuard:
 
     def own_broadcast(self, op: str, match: str, tensor: Tensor) -> None:
         """The strategy's per-step broadcast from rank 0 (its step flags: one layout, ``match``, from one
-        call site), recorded as one guarded collective on the world's stream. With ``confirm_first`` it
-        runs on a gloo group of the guard's own that carries nothing else, so it can pair with no other
-        collective and needs no confirmation first (a check and the broadcast would make two round trips
-        a step): a rank that skipped it is found by the watchdog's comparison of the sequences, as under
-        ``ddp_sync``. Otherwise (and for a tensor not on the CPU) it is the guarded broadcast on the
-        world group."""
+        call site), recorded as one guarded collective on the world's stream. On gloo it runs on a group of
+        the guard's own that carries nothing else, so it can pair with no other collective and needs no
+        confirmation first (a check and the broadcast would make two round trips a step): a rank that
+        skipped it is found by the watchdog's comparison of the sequences. Otherwise (NCCL, a tensor not on
+        the CPU) it is the guarded broadcast on the world group."""
         on_cpu = tensor.device.type == "cpu"
-        group = self._flags_group if on_cpu and self.confirm_first and self.active and not self._depth else None
+        group = self._flags_group if on_cpu and self.active and not self._depth else None
         if group is None:
             with self.guarded(op, match):
                 dist.broadcast(tensor, src=0)
@@ -488,30 +505,47 @@ class CollectiveGuard:
         finally:
             self._depth -= 1
 
-    def _confirm(self, fp: Fingerprint, op: str, group: Any) -> None:
-        """``confirm_first``: compare every rank's token of ``fp`` on the guard's own group before the call's
-        data moves (subgroups: through the store, one watchdog turn). Raises on every rank on a mismatch."""
+    def _confirms(self, group: Any) -> bool:
+        """Whether a checked call on ``group`` first compares every rank's token of it on the guard's own group
+        (:meth:`_confirm`): on gloo, for calls on the world group (where DDP's gradient all-reduce runs), and
+        for every call with ``confirm_first``. Elsewhere a same-shape call compares shapes on its own group."""
+        if self._side_group is None or not _on_gloo(group):
+            return False
+        return self.confirm_first or group is None or group is dist.GroupMember.WORLD
+
+    def _confirm(self, fp: Fingerprint, op: str, group: Any, tensor: Tensor | None = None) -> None:
+        """Compare every rank's token of ``fp`` on the guard's own group before the call's data moves
+        (subgroups: through the store, one watchdog turn). Raises on every rank on a mismatch; ``tensor``: the
+        call needs one shape on every rank, and where that alone differs the error shows every rank's."""
         side = self._side_group
         if side is None or not (group is None or group is dist.GroupMember.WORLD):
             self._wait_confirmed(fp, op)
             return
-        self._side_exchange(fp, op, side)
+        self._side_exchange(fp, op, side, tensor)
 
-    def _side_exchange(self, fp: Fingerprint, op: str, side: Any) -> None:
-        """Every rank's token of ``fp`` in one all-gather on ``confirm_first``'s own group ``side``; raises on
-        every rank when they differ."""
-        # one int64 a rank whatever the call: ranks at different calls still pair on the wire (gloo aborts on a
-        # size mismatch) and find the difference in the tokens
-        token = torch.tensor([zlib.crc32("\x1f".join(fp.key(self.match_call_sites)).encode()) or 1])
-        every = torch.empty(dist.get_world_size(), dtype=torch.int64)
+    def _side_exchange(self, fp: Fingerprint, op: str, side: Any, tensor: Tensor | None = None) -> None:
+        """Every rank's token of ``fp`` in one all-gather on the guard's own group ``side``; raises on every
+        rank when they differ."""
+        # two int64 a rank whatever the call (ranks at different calls still pair on the wire, where gloo
+        # aborts on a size mismatch): the whole call's token and its token without the tensor's layout
+        key = fp.key(self.match_call_sites)
+        mine = torch.tensor([zlib.crc32("\x1f".join(key).encode()) or 1,
+                             zlib.crc32("\x1f".join(key[:1] + key[2:]).encode()) or 1])
+        every = torch.empty(2 * dist.get_world_size(), dtype=torch.int64)
         self._depth += 1  # the exchange itself is not a user's collective
         try:
-            all_gather_single(every, token, group=side)
+            all_gather_single(every, mine, group=side)
         finally:
             self._depth -= 1
-        tokens = every.tolist()
-        if len(set(tokens)) > 1:
-            raise self._collectives_mismatch(op, None, dict(enumerate(tokens)))
+        rows = every.view(-1, 2).tolist()
+        tokens = [row[0] for row in rows]
+        if len(set(tokens)) == 1:
+            return
+        if tensor is not None and len({row[1] for row in rows}) == 1:
+            # every rank is at this very call, with another shape or dtype (ranks' last batches of different
+            # sizes): every rank shows its layout, over the same group, where nothing else can pair with it
+            self._check_layout(op, tensor, side)
+        raise self._collectives_mismatch(op, None, dict(enumerate(tokens)))
 
     def _wait_confirmed(self, fp: Fingerprint, op: str, stream: str | None = None) -> None:
         """Block until the neighbouring rank's sequence of ``stream`` (default: the last collective's)
@@ -554,7 +588,7 @@ class CollectiveGuard:
         monitor = self._monitor
         return monitor.failure if monitor is not None else None
 
-    def _record(self, op: str, match: str, group: Any, frame: Any) -> Fingerprint | None:
+    def _record(self, op: str, match: str, group: Any, frame: Any, site: str | None = None) -> Fingerprint | None:
         recorder, sites = self._recorder, self._sites
         if recorder is None or sites is None:
             return None
@@ -568,7 +602,7 @@ class CollectiveGuard:
                 return None
             self._stream = stream_key(dist.get_process_group_ranks(group))
         self.checks += 1
-        return recorder.record(self._stream, op, match, sites.find(frame))
+        return recorder.record(self._stream, op, match, site if site is not None else sites.find(frame))
 
     def _collectives_hook(self, name: str, group: Any) -> int:
         """lightning_sync.collectives: record its call; the token goes into its metadata exchange."""
@@ -579,7 +613,7 @@ class CollectiveGuard:
         fp = self._record(name, "", group, sys._getframe(1))
         if fp is None:
             return 0
-        if self.confirm_first and _on_gloo(group):
+        if self._confirms(group):
             self._confirm(fp, name, group)
         return zlib.crc32("\x1f".join(fp.key(self.match_call_sites)).encode()) or 1
 
@@ -694,8 +728,12 @@ class CollectiveGuard:
 
 
 def _on_gloo(group: Any) -> bool:
-    backend = group_backend(group)  # (a mixed cpu:gloo,cuda:nccl group counts: no tensor to tell here)
-    return backend is not None and "gloo" in backend
+    """Whether ``group`` carries CPU tensors on gloo (a mixed ``cpu:gloo,cuda:nccl`` group does: the guard's own
+    exchanges are CPU tensors); False where this rank is not a member."""
+    try:
+        return collectives.backend_for(group, "cpu") == "gloo"
+    except (ValueError, RuntimeError):
+        return False
 
 
 def _flight_recorder_tail(n: int = 4) -> list[str]:
@@ -767,6 +805,51 @@ def _side_store(prefix: str, timeout: float, cache: _GroupCache) -> Any:
         client = cache.clients[timeout] = c10d.TCPStore(inner.host, inner.port, is_master=False,
                                                         wait_for_workers=False, timeout=timedelta(seconds=timeout))
     return c10d.PrefixStore(prefix, client)
+
+
+class _BucketHookState:
+    """What :func:`_recording_allreduce_hook` needs: the guard (weakly; it records only while installed) and
+    DDP's process group."""
+
+    __slots__ = ("guard", "group")
+
+    def __init__(self, guard: CollectiveGuard, group: Any) -> None:
+        self.guard = weakref.ref(guard)
+        self.group = group
+
+
+#: The call site of DDP's gradient all-reduce in reports (no Python frame issues it).
+DDP_BUCKET_SITE = "DistributedDataParallel backward"
+
+
+def _recording_allreduce_hook(state: _BucketHookState, bucket: Any) -> Any:
+    """DDP's communication hook under the guard: record the bucket, then the all-reduce DDP makes without a hook."""
+    guard = state.guard()
+    if guard is None or not guard.active:
+        return _allreduce_bucket(state.group, bucket)
+    if not guard._depth:
+        buffer = bucket.buffer()
+        guard._record("DDP gradient all-reduce", f"{str(buffer.dtype).removeprefix('torch.')}[{buffer.numel()}] "
+                      f"bucket {bucket.index()}", state.group, None, site=DDP_BUCKET_SITE)
+    guard._depth += 1  # its all_reduce is this fingerprint's: not recorded, checked or refused again
+    try:
+        return _allreduce_bucket(state.group, bucket)
+    finally:
+        guard._depth -= 1
+
+
+def _allreduce_bucket(group: Any, bucket: Any) -> Any:
+    """What DDP's reducer does without a hook, to the bit: each gradient multiplied by 1 / world size (a float
+    scalar, as the reducer's ``wrapped_scalar_tensor``; torch's Python ``allreduce_hook`` divides instead, which
+    rounds differently from 3 ranks on), then one all-reduce of the sums."""
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / dist.get_world_size(group))
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+# DDP checks the hook's annotations against the real objects (this module's are strings: `from __future__`)
+_recording_allreduce_hook.__annotations__ = {"state": _BucketHookState, "bucket": getattr(dist, "GradBucket"),  # noqa: B009
+                                             "return": torch.futures.Future[torch.Tensor]}
 
 
 @atexit.register

@@ -12,6 +12,11 @@ aborts the group's communicators and raises (``ProcessGroupNCCL::WorkNCCL::wait`
 slice shorter than a slow peer's step would end the run. On NCCL (and any backend not known to be
 gloo) a collective runs as the caller wrote it: it is queued on the GPU stream and returns, and a rank
 stuck behind it is ended by the watchdog's grace exit instead (see ``watchdog.py``).
+
+Under ``torch.compile`` (while Dynamo traces, and while this thread runs compiled code, a graph break's
+eager fallback included) a wrapper hands the call to torch's function first thing, so Dynamo sees the
+function it maps to an in-graph collective: the same graphs and graph breaks as without the guard. Those
+collectives are not recorded by the guard (torch's own checks apply, as under plain DDP).
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
+from torch.compiler import is_compiling
 
+from lightning_sync._compat.torch_api import dynamo_callback
+from lightning_sync.collectives import backend_for
 from lightning_sync.guard.callsite import is_trusted
 from lightning_sync.guard.fingerprint import describe_tensor, op_name
 
-__all__ = ["GUARDED_OPS", "Interceptor", "abandon", "group_backend", "runs_on_gloo"]
+__all__ = ["GUARDED_OPS", "Interceptor", "abandon", "runs_on_gloo"]
 
 #: Collectives of the torch.distributed namespace that the guard intercepts. Point-to-point calls
 #: (send/recv) are left alone: their pairing legitimately differs by rank.
@@ -76,30 +84,20 @@ _GROUP_AT = {"all_reduce": 2, "all_gather": 2, "all_gather_into_tensor": 2, "all
 _abandoned: list[Any] = []
 
 
-def group_backend(group: Any) -> str | None:
-    """``group``'s backend in lower case (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"`` ...); None when this
-    rank is not a member (the call returns at once there)."""
-    try:
-        return str(dist.get_backend(group)).lower()
-    except (ValueError, RuntimeError):
-        return None
-
-
 def runs_on_gloo(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether this call goes to gloo: its group is gloo, or a mixed ``cpu:gloo,cuda:nccl`` group given CPU
-    tensors. Only then is its work waited for in slices (``Work.wait(timeout)`` repeated) and its shapes
-    compared before it runs (gloo aborts the process on a size mismatch); on NCCL both would stop the
-    CPU until the GPU stream has caught up, at every guarded call, and the watchdog compares the shapes
-    in the fingerprints instead, a turn later."""
-    backend = group_backend(_arg(args, kwargs, (_GROUP_AT.get(name, 99), "group")))
-    if backend == "gloo":
-        return True
-    if backend is None or "gloo" not in backend:
-        return False
+    """Whether this call goes to gloo (:func:`lightning_sync.collectives.backend_for` of its group and its first
+    tensor's device: a mixed ``cpu:gloo,cuda:nccl`` group given CPU tensors does). Only then is its work waited
+    for in slices (``Work.wait(timeout)`` repeated) and its shapes compared before it runs (gloo aborts the
+    process on a size mismatch); on NCCL both would stop the CPU until the GPU stream has caught up, at every
+    guarded call, and the watchdog compares the shapes in the fingerprints instead, a turn later."""
     first = args[0] if args else next(iter(kwargs.values()), None)
     if isinstance(first, (list, tuple)):
         first = first[0] if first else None
-    return isinstance(first, Tensor) and first.device.type == "cpu"
+    device = first.device if isinstance(first, Tensor) else "cpu"
+    try:
+        return backend_for(_arg(args, kwargs, (_GROUP_AT.get(name, 99), "group")), device) == "gloo"
+    except (ValueError, RuntimeError):  # this rank is not a member: the call returns at once
+        return False
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], where: tuple[int, str] | None) -> Any:
@@ -174,6 +172,8 @@ class Interceptor:
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
+            if is_compiling() or dynamo_callback() is not None:  # under torch.compile: torch's own, unrecorded
+                return fn(*args, **kwargs)
             frame = sys._getframe(1)
             if guard._depth or is_trusted(frame):
                 return run(fn, name, args, kwargs)
@@ -188,8 +188,8 @@ class Interceptor:
                 return fn(*args, **kwargs)  # this rank is not in the group
             gloo = runs_on_gloo(name, args, kwargs)
             if gloo:
-                if guard.confirm_first:  # every rank's token of this very call (shapes included) first
-                    guard._confirm(fp, name, group)
+                if guard._confirms(group):  # every rank's token of this very call (shapes included) first
+                    guard._confirm(fp, name, group, tensor if same_shape and isinstance(tensor, Tensor) else None)
                 elif same_shape and isinstance(tensor, Tensor):
                     guard._check_layout(name, tensor, group)
             guard._depth += 1

@@ -227,7 +227,9 @@ class Monitor:
             m = poll.mismatch
             fps = self.fingerprints_at(m.stream, m.seq)
             fps.update({self.exchange.rank: m.mine, m.neighbour: m.theirs})
-            self.fail(report.mismatch(m.seq, fps))
+            # the report names every rank's call site: no stacks (the grace exit writes them if this rank
+            # cannot raise)
+            self.fail(report.mismatch(m.seq, fps), stack=False)
         if poll.aborts and self._failure is None:
             r, message = sorted(poll.aborts.items())[0]
             kind, _, text = message.partition(": ")

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import PathLike
-from lightning_sync.collectives import check_same_layout
+from lightning_sync.collectives import backend_for, check_same_layout
 from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.parts.base import Part
 from lightning_sync.parts.evaluation import ALL_GATHER_FIX, ExactEvalPart
@@ -37,7 +37,7 @@ def _all_reduce(tensor: Tensor, group: Any, reduce_op: Any) -> Tensor:
     same tensors for every op and dtype."""
     group = dist.group.WORLD if group is None else group
     mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
-    if mean and dist.get_backend(group) == "gloo":
+    if mean and backend_for(group, tensor.device) == "gloo":  # (gloo has no AVG)
         op = dist.ReduceOp.SUM
     elif isinstance(reduce_op, str):
         op = getattr(dist.ReduceOp, "AVG" if mean else reduce_op.upper())
@@ -232,10 +232,19 @@ class SyncStrategyMixin:
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         for p in self._loss_parts:
             closure_loss = p.scale_loss(self, closure_loss)
-        if not self._step_parts:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
-        with self._step_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+        try:
+            if not self._step_parts:
+                return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+            with self._step_context():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+        except RuntimeError as err:
+            # DDP's gradient all-reduce failed in C++ (a peer that failed first closed its connections): the
+            # guard's report says why, where it has one, instead of gloo's "Connection closed by peer"
+            guard = self.guard
+            explained = guard._explain(err) if guard is not None and guard.active else err
+            if explained is err:
+                raise
+            raise explained from err
 
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]

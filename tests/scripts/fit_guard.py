@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -26,6 +27,11 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_sync as ls
 
 RANK = int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def mistake_made(out: Path) -> None:
+    """Rank 0 is about to make the scenario's mistake: when (wall clock, one host) it did, for the time to error."""
+    (out / "mistake_at").write_text(repr(time.time()))
 
 
 class Model(L.LightningModule):
@@ -41,12 +47,19 @@ class Model(L.LightningModule):
         loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
         self.log("loss", loss, sync_dist=True)
         if self.scenario == "rank0_log" and self.global_rank == 0 and batch_idx == 1:
+            mistake_made(self.out)
             self.log("rank0_loss", loss, sync_dist=True)  # the mistake: a collective only rank 0 makes
         if self.scenario == "log_keys":
             self.log(f"loss_rank{self.global_rank}", loss)  # per-rank keys, not synced: allowed, as in Lightning
         if self.scenario == "log_keys_synced":
             # the mistake: per-rank keys synced, so each rank's reduction pairs with another metric
             self.log(f"loss_rank{self.global_rank}", loss, on_step=False, on_epoch=True, sync_dist=True)
+        if self.scenario == "rank0_all_reduce" and self.global_rank == 0 and batch_idx == 1:
+            mistake_made(self.out)
+            torch.distributed.all_reduce(loss.detach().clone())  # the mistake: rank 1 goes on into DDP's backward
+        if self.scenario == "rank0_barrier" and self.global_rank == 0 and batch_idx == 1:
+            mistake_made(self.out)
+            torch.distributed.barrier()  # the same with a barrier
         if self.scenario == "buffer_drift" and self.global_rank == 1:
             self.seen += len(x)  # the mistake: state updated on one rank only, never synced
         return loss
@@ -63,6 +76,9 @@ class Model(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
+        if self.scenario == "rank0_all_reduce_val" and self.global_rank == 0 and batch_idx == 0:
+            mistake_made(self.out)
+            torch.distributed.all_reduce(x.sum())  # the mistake in evaluation: rank 1 goes on to the next batch
         self.log("val_loss", nn.functional.mse_loss(self.net(x).squeeze(-1), y), sync_dist=True)
 
     def configure_optimizers(self):
@@ -107,7 +123,7 @@ def main() -> None:
         try:
             trainer.fit(model, train, val)
         except Exception as err:  # noqa: BLE001 - the report is what the test checks
-            report["error"] = {"type": type(err).__name__, "message": str(err)}
+            report["error"] = {"type": type(err).__name__, "message": str(err), "at": time.time()}
     report["warnings"] = [str(w.message) for w in caught]
     report["steps"] = trainer.global_step
     report["checks"] = check.checks

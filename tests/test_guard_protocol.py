@@ -210,3 +210,18 @@ def test_a_stopped_peer_is_ended_only_when_asked(kill: bool) -> None:
     finally:
         peer.kill()
         peer.wait()
+
+
+def test_a_ranks_store_traffic_is_flat_in_the_world_size() -> None:
+    """Issue 40: each rank reads its one neighbour, so its requests a turn do not grow with the world (the store's
+    host serves world x that); bench/bench_store.py prints the figures."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_store", Path(__file__).parents[1] / "bench" / "bench_store.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    small, large = bench.measure(2, 30, 2), bench.measure(32, 30, 2)
+    assert large["max"] <= small["max"] + 0.1 and small["mean"] <= 4, (small, large)
+    assert large["store"] == pytest.approx(16 * small["store"], rel=0.05)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
+from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import PathLike, StrategyRegistryType, saves_distributed_checkpoint
 from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.parts.mixin import SyncStrategyMixin
@@ -35,6 +36,12 @@ class SyncModelParallelStrategy(SyncStrategyMixin, ModelParallelStrategy):
     ``seed``, ``guard``, ``guard_timeout``, ``exact_eval`` and ``resume``, as
     :class:`~lightning_sync.SyncDDPStrategy` documents them. Exact evaluation shards over the
     data-parallel ranks (``distributed_sampler_kwargs``), as Lightning's sampler does.
+
+    Sizes: with both left ``"auto"`` (and so under ``strategy="model_parallel_sync"``) the data-parallel size is
+    the world size and the tensor-parallel size 1: FSDP2 over every rank, each sample on one rank. (Lightning's
+    ``"auto"`` is data parallel = nodes x tensor parallel = devices a node, and a model with no tensor-parallel
+    plan then trains and evaluates every sample on every rank of a node.) Pass ``tensor_parallel_size=N`` for
+    tensor parallelism; the data-parallel size, left ``"auto"``, is then the world size over ``N``.
     """
 
     strategy_name = "model_parallel_sync"
@@ -55,6 +62,18 @@ class SyncModelParallelStrategy(SyncStrategyMixin, ModelParallelStrategy):
             # FSDP2's own all-gathers and reduce-scatters are trusted (not checked): a collective on one rank
             # only must be confirmed by the others before its data moves, or gloo pairs it with one of those
             self.guard.confirm_first = True
+
+    @override
+    def setup_environment(self) -> None:
+        dp, tp = _compat.model_parallel_sizes(self)
+        world = self.num_nodes * self.num_processes
+        if dp == "auto":
+            if tp == "auto":
+                dp, tp = world, 1
+            elif isinstance(tp, int) and tp > 0 and world % tp == 0:
+                dp = world // tp
+            _compat.set_model_parallel_sizes(self, dp, tp)
+        super().setup_environment()
 
     @override
     def _setup_distributed(self) -> None:  # compat: where ModelParallelStrategy creates its group (_compat)

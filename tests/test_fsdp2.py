@@ -64,7 +64,7 @@ def _one_process_mse(weights: Path, n: int = 1001) -> float:
 @pytest.mark.parametrize("strategy", ["model_parallel_sync", "model_parallel"])
 def test_evaluation_and_mid_epoch_resume(strategy: str, tmp_path: Path) -> None:
     sync = strategy == "model_parallel_sync"
-    for wave in (["eval", "full"], ["stop", "autostop"] if sync else ["stop"], ["resume"]):
+    for wave in (["eval", "full"], ["autosizes", "stop", "autostop"] if sync else ["autosizes", "stop"], ["resume"]):
         for proc in _run_together(tmp_path, strategy, wave):
             _ok(proc)
     # evaluation over 1001 samples: sync_dist and a torchmetrics metric against one process on the set
@@ -77,6 +77,18 @@ def test_evaluation_and_mid_epoch_resume(strategy: str, tmp_path: Path) -> None:
             assert logged["val_mse_metric"] == pytest.approx(reference, rel=1e-6)
         else:  # Lightning's padded sampler counts a repeated sample: measured 2.26201 vs 2.26250
             assert logged["val_mse"] != pytest.approx(reference, rel=1e-5)
+    # the default sizes (what strategy="model_parallel_sync" gets): data parallel over both ranks, the very run
+    # above; Lightning's "auto" makes data parallel 1 x tensor parallel 2, and with no tensor-parallel plan every
+    # rank trains and evaluates every sample (issue 45)
+    auto, explicit = _reports(tmp_path, "autosizes"), _reports(tmp_path, "full")
+    if sync:
+        assert [r["steps"] for r in auto] == [r["steps"] for r in explicit]
+        assert auto[0]["global_step"] == explicit[0]["global_step"]
+        for rep in auto:  # each of the 1001 samples evaluated once
+            assert rep["metrics"]["val_mse"] == pytest.approx(_one_process_mse(tmp_path / "autosizes" / "full.pt"),
+                                                               rel=1e-6)
+    else:
+        assert [step[:2] for step in auto[0]["steps"]] == [step[:2] for step in auto[1]["steps"]]  # same samples
     # resume from the sharded checkpoint of step 10 (mid-epoch: 13 steps an epoch per rank)
     full, stop, resumed = (_reports(tmp_path, p) for p in ("full", "stop", "resume"))
     for r in range(2):

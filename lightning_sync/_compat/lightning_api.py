@@ -48,6 +48,8 @@ __all__ = [
     "ddp_kwargs",
     "own_checkpoint_io",
     "set_own_checkpoint_io",
+    "model_parallel_sizes",
+    "set_model_parallel_sizes",
     "index_batch_sampler",
     "install_step_flag_broadcast",
     "is_run_stage_barrier",
@@ -144,6 +146,16 @@ def save_broadcasts_path_first() -> bool:
 def ddp_kwargs(strategy: DDPStrategy) -> dict[str, Any]:
     """The keyword arguments the strategy passes to ``DistributedDataParallel``."""
     return dict(getattr(strategy, "_ddp_kwargs", {}) or {})
+
+
+def model_parallel_sizes(strategy: Any) -> tuple[Any, Any]:
+    """``ModelParallelStrategy``'s data- and tensor-parallel sizes as given (``"auto"`` or an int)."""
+    return strategy._data_parallel_size, strategy._tensor_parallel_size
+
+
+def set_model_parallel_sizes(strategy: Any, data_parallel: Any, tensor_parallel: Any) -> None:
+    """Set them before ``setup_environment`` resolves ``"auto"`` and builds the device mesh from them."""
+    strategy._data_parallel_size, strategy._tensor_parallel_size = data_parallel, tensor_parallel
 
 
 def own_checkpoint_io(strategy: Any) -> Any:
@@ -642,7 +654,8 @@ def _model_parallel_fits() -> bool:
 
     return all(callable(getattr(ModelParallelStrategy, name, None))
                for name in ("_setup_distributed", "_get_process_group_backend", "_configure_launcher")) and \
-        {"_timeout", "_save_distributed_checkpoint"} <= set(vars(ModelParallelStrategy()))
+        {"_timeout", "_save_distributed_checkpoint", "_data_parallel_size", "_tensor_parallel_size"} <= set(
+            vars(ModelParallelStrategy()))
 
 
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
@@ -666,8 +679,10 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                lambda: {"_start_method", "_launcher"} <= set(_ddp_vars())
                and callable(getattr(DDPStrategy, "_configure_launcher", None))),
     TouchPoint("lightning.pytorch.strategies.ModelParallelStrategy._setup_distributed, _timeout, "
-               "_save_distributed_checkpoint and _get_process_group_backend",
-               "SyncModelParallelStrategy: the parts around the group's creation; sharded checkpoints' per-rank files",
+               "_save_distributed_checkpoint, _get_process_group_backend, _data_parallel_size and "
+               "_tensor_parallel_size",
+               "SyncModelParallelStrategy: the parts around the group's creation; sharded checkpoints' per-rank "
+               "files; data parallel over every rank for 'auto' sizes",
                _model_parallel_fits),
     TouchPoint("lightning.pytorch.strategies.ModelParallelStrategy.save_checkpoint (its first self.broadcast: "
                "the path)", "sharded checkpoints: each rank's state file goes where rank 0's path says",

@@ -151,7 +151,7 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--strategy", default="model_parallel_sync")
-    p.add_argument("--phase", required=True, choices=["eval", "full", "stop", "resume", "guard", "callbacks", "drift", "autostop", "autoresume", "guardlog",
+    p.add_argument("--phase", required=True, choices=["eval", "autosizes", "full", "stop", "resume", "guard", "callbacks", "drift", "autostop", "autoresume", "guardlog",
                                                     "preempt", "requeued", "tornstop", "tornresume"])
     p.add_argument("--accelerator", default="cpu", help="gpu: the tests' gpu tier (one process per GPU)")
     p.add_argument("--devices", type=int, default=2)
@@ -165,6 +165,8 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(int(os.environ.get("LOCAL_RANK", 0)) + 11)  # ranks start apart
     # FSDP2 over both ranks: Lightning's "auto" sizes are data_parallel=num_nodes (1), tensor_parallel=2
     kwargs: dict[str, Any] = {"data_parallel_size": args.devices, "tensor_parallel_size": 1}
+    if args.phase == "autosizes":  # "eval" with the strategy's default sizes, as strategy="model_parallel_sync" gets
+        kwargs = {}
     if sync:
         kwargs.update(seed=1234, guard_timeout=10)
     if args.phase in ("resume", "autoresume", "requeued", "tornresume") and sync:
@@ -191,7 +193,7 @@ def main(args: argparse.Namespace) -> None:
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_epochs=3,
                         max_steps=max_steps,
                         logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
-                        num_sanity_val_steps=0, limit_val_batches=None if args.phase == "eval" else 0,
+                        num_sanity_val_steps=0, limit_val_batches=None if args.phase in ("eval", "autosizes") else 0,
                         default_root_dir=out)
     model = Model(bad_step=2 if args.phase.startswith("guard") else -1, lr=args.lr, drift=args.phase == "drift",
                   bad_log=args.phase == "guardlog")
@@ -215,6 +217,8 @@ def main(args: argparse.Namespace) -> None:
             raise
         return
     trainer.fit(model, loader, ckpt_path=ckpt)
+    if args.phase == "autosizes":  # and the evaluation, as "eval" makes it
+        trainer.validate(model, DataLoader(Points(1001), batch_size=16))
     part = trainer.strategy.part(ls.parts.RequeuePart) if sync else None
     requeue = part.requeue if part is not None else None
     report(out, trainer, model, global_step=trainer.global_step, requeue_checkpoints=getattr(requeue, "handled", 0))

@@ -117,6 +117,10 @@ def _local_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     return mean, var
 
 
+#: Where the collective guard says a layer's backward exchange was made (autograd runs it: no user frame).
+_BACKWARD_SITE = "SyncBatchNorm backward"
+
+
 def _group_name(group: dist.ProcessGroup) -> str:
     return "the default group" if group is dist.group.WORLD else "its process group"
 
@@ -141,7 +145,7 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
             record = torch.cat([mean64.new_full((1,), local_count), mean64, var.double().mul_(local_count)])
         else:
             record = torch.zeros(2 * channels + 1, dtype=torch.float64, device=input.device)
-        gathered = collectives.all_gather_rows(record, group)
+        gathered = collectives.all_gather_rows(record, group, "SyncBatchNorm statistics")
 
         counts = gathered[:, 0]
         if bool((counts < 0).any()):  # a rank's input was refused (see SyncBatchNorm.forward): raise it here too
@@ -219,7 +223,8 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
             # summed in rank order on every rank (not all-reduced): the same numbers whatever order the backend's
             # reduction takes, so one host of 4 ranks and two hosts of 2 train bit for bit alike.
             combined = torch.cat([sum_dy, sum_dy_xhat])
-            combined = collectives.all_gather_rows(combined, group).sum(0)
+            combined = collectives.all_gather_rows(combined, group, "SyncBatchNorm gradient sums",
+                                                   site=_BACKWARD_SITE).sum(0)
             if local:
                 combined.div_(total)
                 mean_dy, mean_dy_xhat = combined[:channels], combined[channels:]
@@ -350,7 +355,7 @@ class SyncBatchNorm(BatchNormBase):
             portable = collectives.backend_for(group, self._device()) == "gloo" or self._device().type != "cuda"
             if problem is not None and portable:  # join this step's statistics exchange with a flag, then explain
                 flag = torch.full((2 * self.num_features + 1,), -1.0, dtype=torch.float64, device=self._device())
-                collectives.all_gather_rows(flag, group)
+                collectives.all_gather_rows(flag, group, "SyncBatchNorm statistics")
                 _raise_input_problems(problem, group)
             if problem is not None:  # torch's NCCL kernels: no room for a flag in their exchange
                 raise ValueError(problem)

@@ -157,13 +157,14 @@ def _device_barrier(group: dist.ProcessGroup | None = None, device_index: int | 
     return dist.barrier(group=group, async_op=async_op, **kwargs)
 
 
-# The active collective guard's two callbacks (see register_guard); None without a guard.
+# The active collective guard's callbacks (see register_guard); None without a guard.
 _guard_hook: Any = None
 _guard_explain: Any = None
+_guard_record: Any = None
 
 
-def register_guard(hook: Callable[[str, Any], int], explain: Callable[[str, Any, dict[int, int]], BaseException]
-                   ) -> None:
+def register_guard(hook: Callable[[str, Any], int], explain: Callable[[str, Any, dict[int, int]], BaseException],
+                   record: Callable[[str, str, Any, str | None], None] | None = None) -> None:
     """Let a collective guard check every call of this module (one guard at a time; the last one wins).
 
     Args:
@@ -173,16 +174,20 @@ def register_guard(hook: Callable[[str, Any], int], explain: Callable[[str, Any,
             arguments are still checked here, with the more specific RankMismatchError.
         explain: called with the name, the group and every rank's token when the tokens differ;
             returns the error every rank raises.
+        record: called with an exchange's name, what must match (dtype and size), its group and a call site
+            (None: the caller's) before :func:`all_gather_rows` runs one for a ``what`` it was given
+            (SyncBatchNorm's statistics and gradient sums): recorded, not confirmed, so a rank that went on
+            into one while another made an extra collective is a mismatch the guard finds in a turn.
     """
-    global _guard_hook, _guard_explain
-    _guard_hook, _guard_explain = hook, explain
+    global _guard_hook, _guard_explain, _guard_record
+    _guard_hook, _guard_explain, _guard_record = hook, explain, record
 
 
 def unregister_guard(hook: Callable[[str, Any], int]) -> None:
     """Undo :func:`register_guard` (only if ``hook`` is the registered one)."""
-    global _guard_hook, _guard_explain
+    global _guard_hook, _guard_explain, _guard_record
     if _guard_hook == hook:
-        _guard_hook = _guard_explain = None
+        _guard_hook = _guard_explain = _guard_record = None
 
 
 def _exchange(record: list[int], group: dist.ProcessGroup | None, device: torch.device,
@@ -222,9 +227,13 @@ def _same_everywhere(record: list[int], group: dist.ProcessGroup | None, device:
     return high == -minus_low, record[_I_SITE]
 
 
-def all_gather_rows(record: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+def all_gather_rows(record: Tensor, group: dist.ProcessGroup | None, what: str | None = None,
+                    site: str | None = None) -> Tensor:
     """Every rank's ``record`` (1-D, the same size on every rank) as ``[world, n]`` in rank order, on
-    ``record``'s device: one ``all_gather_into_tensor`` on ``group``. Every rank of the group must call it."""
+    ``record``'s device: one ``all_gather_into_tensor`` on ``group``. Every rank of the group must call it.
+    ``what`` (and ``site``, else the caller's): the name under which a collective guard records it."""
+    if what is not None and _guard_record is not None:
+        _guard_record(what, f"{str(record.dtype).removeprefix('torch.')}[{record.numel()}]", group, site)
     world = dist.get_world_size(group)
     gathered = torch.empty(world * record.numel(), dtype=record.dtype, device=record.device)
     _all_gather_single(gathered, record, group=group)

@@ -469,6 +469,9 @@ def test_trainer_mistake_raises_precise_error(tmp_path: Path, scenario: str) -> 
 CLASSIC = {
     "rank0_all_reduce": (f"rank 0 at fit_guard.py:{_line('all_reduce(loss.detach()')} training_step: all_reduce "
                          "float32[] op=sum", f"rank 1 at {DDP_BUCKET_SITE}: DDP gradient all-reduce"),
+    # with SyncBatchNorm rank 1 goes on into the layer's backward exchange before DDP's bucket
+    "rank0_all_reduce_bn": (f"rank 0 at fit_guard.py:{_line('all_reduce(loss.detach()')} training_step: all_reduce "
+                            "float32[] op=sum", "rank 1 at SyncBatchNorm backward: SyncBatchNorm gradient sums"),
     "rank0_barrier": (f"rank 0 at fit_guard.py:{_line('distributed.barrier()')} training_step: barrier",
                       f"rank 1 at {DDP_BUCKET_SITE}: DDP gradient all-reduce"),
     "rank0_all_reduce_val": (f"rank 0 at fit_guard.py:{_line('all_reduce(x.sum())')} validation_step: all_reduce",

@@ -379,7 +379,7 @@ class CollectiveGuard:
             self._side_group, self._flags_group = cache.groups
         self._interceptor = Interceptor(self)
         self._interceptor.install()
-        collectives.register_guard(self._collectives_hook, self._collectives_mismatch)
+        collectives.register_guard(self._collectives_hook, self._collectives_mismatch, self._record_exchange)
         _active.add(self)
 
     def install_if_real(self, context: Callable[[], str | None] | None = None) -> bool:
@@ -624,6 +624,12 @@ class CollectiveGuard:
         if self._confirms(group):
             self._confirm(fp, name, group)
         return zlib.crc32("\x1f".join(fp.key(self.match_call_sites)).encode()) or 1
+
+    def _record_exchange(self, name: str, match: str, group: Any, site: str | None) -> None:
+        """lightning_sync's own exchanges (SyncBatchNorm's): recorded as guarded collectives, not confirmed (every
+        rank of a matching program makes them alike, and a confirmation would double their round trips)."""
+        if not self._depth:
+            self._record(name, match, group, sys._getframe(2), site=site)
 
     def _collectives_mismatch(self, name: str, group: Any, tokens: dict[int, int]) -> BaseException:
         """The metadata exchange saw different tokens: name every rank's call (waits for their rings)."""

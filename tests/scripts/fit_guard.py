@@ -39,7 +39,8 @@ class Model(L.LightningModule):
         super().__init__()
         self.scenario = scenario
         self.out = out
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        bn = [nn.BatchNorm1d(8)] if scenario.endswith("_bn") else []  # synchronised: sync_batchnorm=True below
+        self.net = nn.Sequential(nn.Linear(4, 8), *bn, nn.ReLU(), nn.Linear(8, 1))
         self.register_buffer("seen", torch.zeros(()))
 
     def training_step(self, batch, batch_idx):
@@ -54,7 +55,7 @@ class Model(L.LightningModule):
         if self.scenario == "log_keys_synced":
             # the mistake: per-rank keys synced, so each rank's reduction pairs with another metric
             self.log(f"loss_rank{self.global_rank}", loss, on_step=False, on_epoch=True, sync_dist=True)
-        if self.scenario == "rank0_all_reduce" and self.global_rank == 0 and batch_idx == 1:
+        if self.scenario in ("rank0_all_reduce", "rank0_all_reduce_bn") and self.global_rank == 0 and batch_idx == 1:
             mistake_made(self.out)
             torch.distributed.all_reduce(loss.detach().clone())  # the mistake: rank 1 goes on into DDP's backward
         if self.scenario == "rank0_barrier" and self.global_rank == 0 and batch_idx == 1:
@@ -111,6 +112,7 @@ def main() -> None:
         strategy_kwargs["broadcast_buffers"] = False
     check = ls.ParameterConsistencyCheck(every_n_steps=2)
     trainer = L.Trainer(
+        sync_batchnorm=scenario.endswith("_bn"),
         accelerator="cpu", devices=2, strategy=ls.SyncDDPStrategy(seed=7, **strategy_kwargs), max_epochs=args.epochs,
         logger=False, enable_checkpointing=scenario == "ok",
         use_distributed_sampler=not plain, callbacks=[] if args.no_guard else [check], default_root_dir=str(args.out),

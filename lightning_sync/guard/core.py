@@ -268,7 +268,8 @@ class CollectiveGuard:
                 self._wait_confirmed(last[0], _CLOSING, stream)
 
     def _closing_agreed(self) -> bool:
-        """Every rank's world-stream sequence equal, known from one exchange through the store instead of the watchdog's turns (~7 ms a trainer call here); ``False`` when it cannot be
+        """Every rank's world-stream sequence equal, known from one exchange through the store instead of the
+        watchdog's turns (~7 ms a trainer call here); ``False`` when it cannot be
         shown.
 
         Each rank posts its next seq, a CRC32 of the fingerprints it still holds (the ring's last
@@ -426,9 +427,9 @@ class CollectiveGuard:
     def watch_ddp(self, model: torch.nn.parallel.DistributedDataParallel) -> bool:
         """Record every gradient bucket DDP all-reduces in backward as a guarded collective, so that a
         collective one rank makes while the others are in backward is a mismatch found within a watchdog turn,
-        not a stall found after ``timeout``. Through DDP's public communication hook (torch's own
-        ``allreduce_hook``, which gives the same numbers as no hook); DDP takes one hook, so a model that has
-        one already (``DDPStrategy(ddp_comm_hook=...)`` on CUDA) is left as it is: returns False then."""
+        not a stall found after ``timeout``. Through DDP's public communication hook, whose all-reduce gives
+        the numbers DDP gives without one, to the bit; DDP takes one hook, so a model that has one already
+        (``DDPStrategy(ddp_comm_hook=...)`` on CUDA) is left as it is: returns False then."""
         try:
             model.register_comm_hook(_BucketHookState(self, model.process_group), _recording_allreduce_hook)
         except RuntimeError:  # a hook registered another way (a builtin hook): DDP allows one

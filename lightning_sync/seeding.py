@@ -197,7 +197,13 @@ class SeedLineage:
         differing = [f"rank {r} {s}" for r, s in enumerate(self.local_seeds) if s != self.local_seeds[0]]
         note = (f"; ranks started with other seeds ({', '.join(differing)}) now follow rank 0"
                 if differing else "")
-        rank_part = ", ".join(f"rank {r} {s}" for r, s in enumerate(self.rank_seeds))
+        if self._pending_rng is not None:
+            rank_part = "each rank's RNG state continues from the checkpoint"
+        elif self._resumed_at is not None:
+            rank_part = ", ".join(f"rank {r} {derive_seed(self.root, 'rank', r, 'resumed', self._resumed_at)}"
+                                  for r in range(self.world_size)) + " (new: another world size wrote the checkpoint)"
+        else:
+            rank_part = ", ".join(f"rank {r} {s}" for r, s in enumerate(self.rank_seeds))
         return (f"lightning_sync: root seed {self.root} (rank 0's, from {self.origin}){note}. "
                 f"Samplers and model init use the root; per-rank streams: {rank_part}; "
                 f"workers: derive_seed(root, 'worker', rank, worker_id, epoch base).")
@@ -240,10 +246,10 @@ class SeedLineage:
         """Adopt a checkpoint's root seed and queue this rank's RNG state for :meth:`seed_rank_streams`."""
         if not state:
             return
-        if state["root_seed"] != self.root:
-            log.info("lightning_sync: resuming with the checkpoint's root seed %s (this run agreed on %s) so "
-                     "samplers and RNG streams continue where they stopped.", state["root_seed"], self.root)
+        if state["root_seed"] != self.root:  # samplers and RNG streams continue where they stopped
             self.root = int(state["root_seed"])
+            self.origin = "the checkpoint being resumed"
+            self.local_seeds = [self.root] * len(self.local_seeds)  # the agreed one is replaced on every rank
         states = state.get("rng_states") or []
         if state.get("world_size") == self.world_size and rank < len(states):
             self._pending_rng = states[rank]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -681,3 +682,36 @@ def test_mismatched_shapes_raise_on_every_rank_before_any_data_moves(op: str) ->
         assert f"torch.distributed.{op}: the tensor differs across ranks: rank 0 (3, 2) float32 on cpu, rank 1 (4, 2) " \
                "float32 on cpu" in text, text
         assert "all_gather_uneven" in text
+
+
+def _two_ranks_dump_at_once(rank: int, world: int, path: str) -> None:
+    # ranks 0 and 1 wait in a barrier for rank 2: both pass hang_timeout together and write their stacks to one
+    # file (a terminal the ranks share, as under Lightning's launcher)
+    with open(path, "a") as stream, CollectiveGuard(timeout=30, hang_timeout=1.0, stream=stream):
+        if rank == 2:
+            time.sleep(3.0)
+        dist.barrier()
+
+
+def test_ranks_of_one_host_write_their_stack_dumps_one_at_a_time(tmp_path: Path) -> None:
+    """Issue 45, point 5: two ranks' "Python stacks of every thread" used to interleave line by line."""
+    path = tmp_path / "stderr.txt"
+    run_ranks(_two_ranks_dump_at_once, 3, args=(str(path),), timeout=90)
+    lines = path.read_text().splitlines()
+    owners = []  # whose block each line belongs to, from each report's first line to the next one's
+    for line in lines:
+        match = re.match(r"\[lightning_sync guard\] rank (\d): a collective has not finished", line)
+        if match:
+            owners.append(match.group(1))
+        elif owners:
+            tagged = re.match(r"\[lightning_sync guard\] rank (\d):", line)
+            assert tagged is None or tagged.group(1) == owners[-1], f"rank {owners[-1]}'s report was interrupted"
+    assert sorted(owners) == ["0", "1"], owners
+    text = path.read_text()
+    for rank in "01":  # each rank's dump is one block: its header, its collectives, its stacks, then the other's
+        start = text.index(f"[lightning_sync guard] rank {rank}: a collective has not finished")
+        block = text[start:]
+        other = "1" if rank == "0" else "0"
+        end = block.find(f"[lightning_sync guard] rank {other}:")
+        block = block if end < 0 else block[:end]
+        assert "Python stacks of every thread" in block and "_two_ranks_dump_at_once" in block, block[:2000]

@@ -146,12 +146,13 @@ def test_auto_resume_skips_a_damaged_newest_checkpoint_and_keeps_it(tmp_path: Pa
 # ------------------------------------------------------------------------------- real rank fits
 
 
-def _launch(out: Path, plan: str, *args: str, devices: int = 2, timeout: int = 400) -> None:
+def _launch(out: Path, plan: str, *args: str, devices: int = 2, timeout: int = 400) -> str:
     out.mkdir(parents=True, exist_ok=True)
     cmd = ["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPT), "--out", str(out), "--plan", plan,
            "--devices", str(devices), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 20)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout + proc.stderr
 
 
 def _steps(run: Path, world: int) -> list[list]:
@@ -214,7 +215,11 @@ def test_resume_on_another_world_size_loses_no_sample(tmp_path: Path, stopped_2r
     """2 -> 3 ranks and 3 -> 2 ranks, each from a checkpoint inside epoch 1."""
     (tmp_path / "a").symlink_to(stopped_2ranks)
     ckpt2 = tmp_path / "a" / "stop" / "last.ckpt"
-    _launch(tmp_path / "b", f"resume:3:{ckpt2},stop:3:7:7@stop3", devices=3)
+    output = _launch(tmp_path / "b", f"resume:3:{ckpt2},stop:3:7:7@stop3", devices=3)
+    banners = re.findall(r"lightning_sync: root seed (\d+) \(rank 0's, from ([^)]*)\)", output)
+    # the resumed run's one banner names the seed it uses (the checkpoint's), not the one the ranks agreed first;
+    # the second run of this process (seed=1234 as an argument) has its own
+    assert banners == [("1234", "the checkpoint being resumed"), ("1234", "argument")], banners
     _launch(tmp_path / "c", f"resume:3:{tmp_path / 'b' / 'stop3' / 'last.ckpt'}", devices=2)
     for before, world_before, after, world_after in ((tmp_path / "a" / "stop", 2, tmp_path / "b" / "resume", 3),
                                                      (tmp_path / "b" / "stop3", 3, tmp_path / "c" / "resume", 2)):

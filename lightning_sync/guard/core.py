@@ -9,15 +9,17 @@ watchdog thread (:mod:`~lightning_sync.guard.watchdog`) through the store protoc
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
 import sys
+import tempfile
 import threading
 import time
 import warnings
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import IO, Any
 
@@ -722,7 +724,7 @@ class CollectiveGuard:
 
     def _write(self, text: str, stack: bool) -> None:
         stream = self.stream or sys.stderr
-        with self._write_lock:
+        with self._write_lock, _one_writer_per_host():
             try:
                 stream.write(text)
                 history = self.history
@@ -740,6 +742,34 @@ class CollectiveGuard:
                 stream.flush()
             except (OSError, ValueError):
                 pass
+
+
+@contextlib.contextmanager
+def _one_writer_per_host(wait: float = 5.0) -> Iterator[None]:
+    """The ranks of one host write their reports one at a time (two ranks' stacks written at once interleave
+    line by line on a shared terminal): an exclusive ``flock`` on a file in the temp directory, waited for at
+    most ``wait`` s, so that a rank stopped while it holds the lock cannot silence the others."""
+    try:
+        import fcntl
+
+        fd = os.open(os.path.join(tempfile.gettempdir(), f"lightning_sync_guard_{os.getuid()}.lock"),
+                     os.O_CREAT | os.O_RDWR, 0o600)
+    except (ImportError, OSError, AttributeError):  # no fcntl (Windows), no getuid, an unwritable temp dir
+        yield
+        return
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break  # write anyway
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _on_gloo(group: Any) -> bool:

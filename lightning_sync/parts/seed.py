@@ -23,6 +23,7 @@ class SeedLineagePart(Part):
         self.seed_arg = seed
         self.lineage: SeedLineage | None = None
         self.pending_state: dict[str, Any] | None = None  # a checkpoint's lightning_sync state, until setup
+        self._announced: int | None = None  # the root seed the banner last named
 
     def setup_distributed(self, strategy: Any, fresh: bool) -> None:
         if not fresh and self.lineage is not None:
@@ -30,8 +31,7 @@ class SeedLineagePart(Part):
         previous = self.lineage  # one root seed for the strategy's life: fit, then validate/test/predict
         lineage = SeedLineage.agree(self.seed_arg if previous is None else previous.root)
         if previous is None or previous.root != lineage.root:
-            self.lineage = lineage
-            rank_zero_info(lineage.describe())
+            self.lineage = lineage  # announced at setup, once a checkpoint being resumed may have replaced it
 
     def setup(self, strategy: Any, trainer: Any) -> None:
         if self.lineage is None:  # set up without a process group (strategy.setup called directly)
@@ -40,6 +40,9 @@ class SeedLineagePart(Part):
         # random numbers. A checkpoint being resumed supplies the exact states instead.
         self.lineage.load_checkpoint_state(self.pending_state, strategy.global_rank)
         self.pending_state = None
+        if self._announced != self.lineage.root:  # one banner, naming the seed the run uses
+            self._announced = self.lineage.root
+            rank_zero_info(self.lineage.describe())
         self.lineage.seed_rank_streams(strategy.global_rank)
 
     def process_dataloader(self, strategy: Any, dataloader: Any, trainer: Any) -> Any:

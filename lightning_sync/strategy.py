@@ -6,7 +6,7 @@ and ``"ddp_sync_notebook"`` (forked ranks: Jupyter) by ``import lightning_sync``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
@@ -64,7 +64,8 @@ class SyncDDPStrategy(SyncStrategyMixin, DDPStrategy):
     strategy_name = "ddp_sync"
 
     def __init__(self, *args: Any, seed: int | None = None, guard: bool | CollectiveGuard = True,
-                 guard_timeout: float | None = None, uneven_batches: str = "error", resume: str | None = None,
+                 guard_timeout: float | None = None,
+                 uneven_batches: Literal["error", "stop_together", "join"] = "error", resume: str | None = None,
                  exact_eval: bool = True,
                  **kwargs: Any) -> None:
         # the parts first: a bad argument of ours fails before Lightning builds anything

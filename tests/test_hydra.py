@@ -189,6 +189,9 @@ BAD = {
     "devices0": (["trainer.devices=0"], {}, "trainer.devices=0: the number of processes per node must be >= 1"),
     "unknown_option": (["trainer=tpu_pod"], {}, "Could not find 'trainer/tpu_pod'"),
     "gpu_without_gpu": (["trainer=gpu_ddp"], {}, "trainer.accelerator=gpu: this machine has no usable GPU"),
+    # issue 45: a strategy option outside its choices, refused before a run directory (was: inside instantiate)
+    "uneven_typo": (["trainer.strategy.uneven_batches=joinn"], {},
+                    "trainer.strategy.uneven_batches=joinn: must be 'error' or 'stop_together' or 'join'"),
 }
 # The same checks against a launcher's environment, in-process (the CLI path is the one above).
 BAD_IN_ENV = {

@@ -508,6 +508,17 @@ def test_classic_mistake_ends_every_rank_in_seconds_at_the_default_timeout(tmp_p
 
 
 @pytest.mark.slow
+def test_a_survivor_quotes_the_exception_that_ended_a_peer(tmp_path: Path) -> None:
+    """Issue 40, point 6: rank 1 raises in training_step; rank 0, waiting for it, says what rank 1 raised and
+    where, instead of "rank(s) 1 died ... look at that rank's log"."""
+    r0, r1 = fit(tmp_path, "rank1_raises", "--guard-timeout", "120")
+    assert r1["error"] == {"type": "ValueError", "message": "a bad batch on rank 1", "at": r1["error"]["at"]}
+    assert r0["error"] is not None and r0["error"]["type"] == "LightningSyncError", r0
+    assert "rank 1 raised ValueError: a bad batch on rank 1 in training_step" in r0["error"]["message"], r0
+    assert r0["error"]["at"] - r1["error"]["at"] < 15  # not after the guard timeout (120 s)
+
+
+@pytest.mark.slow
 def test_per_rank_keys_without_sync_are_allowed(tmp_path: Path) -> None:
     """Lightning supports per-rank keys logged without sync_dist (each rank's logger sees its own)."""
     r0, r1 = fit(tmp_path, "log_keys")

@@ -419,6 +419,22 @@ class CollectiveGuard:
         self._cache = None
         _active.discard(self)
 
+    def post_exception(self, exception: BaseException, where: str = "") -> None:
+        """Tell the other ranks why this one is leaving (an exception of the program, not the guard's own
+        finding): their watchdogs read it within a turn, and each raises ``LightningSyncError`` quoting it
+        (at its next collective, or when its blocked one fails as this process ends) instead of "rank N
+        died". Nothing is posted for the guard's own failure (posted already) or when the guard is off."""
+        exchange, monitor = self._exchange, self._monitor
+        if exchange is None or monitor is None or monitor.failure is not None:
+            return
+        text = str(exception).strip().splitlines()[0][:300] if str(exception).strip() else ""
+        message = (f"rank {self._rank} raised {type(exception).__name__}{': ' + text if text else ''}"
+                   f"{' in ' + where if where else ''}; the run cannot go on without it: its log has the traceback")
+        try:
+            exchange.post_abort(f"LightningSyncError: {message}")
+        except Exception:  # noqa: BLE001 - the store may be gone too: the peers then name this rank as dead
+            pass
+
     def watch_module(self, module: torch.nn.Module) -> None:
         """Reject ``all_reduce`` calls on ``module``'s parameters or gradients (DDP already syncs them); for a
         ``DistributedDataParallel`` module, also record its gradient all-reduces (:meth:`watch_ddp`)."""

@@ -233,10 +233,12 @@ class Monitor:
         if poll.aborts and self._failure is None:
             r, message = sorted(poll.aborts.items())[0]
             kind, _, text = message.partition(": ")
-            self._write(f"[lightning_sync guard] rank {self.exchange.rank}: rank {r} raised {message}\n"
-                        f"[lightning_sync guard] rank {self.exchange.rank} stands here:\n", False)
             error: BaseException = _rebuild(kind, text)
-            self.fail(error, post=False)
+            program = text.startswith(f"rank {r} raised")  # the program's exception on rank r, posted as it left
+            if not program:  # the guard's own finding on rank r: whose it is, then where this rank stands
+                self._write(f"[lightning_sync guard] rank {self.exchange.rank}: rank {r} raised {kind}; where rank "
+                            f"{self.exchange.rank} stands is below\n", False)
+            self.fail(error, post=False, stack=not program)
         now = time.monotonic()
         if busy is not None and self._failure is None:
             waited = now - busy.since

@@ -68,8 +68,11 @@ class GuardPart(Part):
     def on_exception(self, strategy: Any, exception: BaseException) -> None:
         # No checked collectives after a failure: Lightning's SIGTERM handler broadcasts during
         # teardown, and the guard would wait for peers that are gone until the launcher's SIGKILL
-        # (30 s under torchrun); unguarded, gloo fails at once.
-        self.end(strategy.global_rank, failed=True)
+        # (30 s under torchrun); unguarded, gloo fails at once. The peers are told why first.
+        guard = self.guard
+        if guard is not None and guard.active and guard.failure is None:
+            guard.post_exception(exception, _compat.current_hook_name(strategy.lightning_module) or "")
+        self.end(strategy.global_rank, failed=True, posted=guard is not None and guard.failure is None)
 
     def closing(self, strategy: Any) -> None:
         if self.guard is not None:
@@ -80,13 +83,14 @@ class GuardPart(Part):
     def after_teardown(self, strategy: Any) -> None:
         self.end(strategy.global_rank)
 
-    def end(self, rank: int, failed: bool = False) -> None:
-        """Stop guarding; after a failure rank 0 stays a few watchdog turns, so the peers read the error it
-        posted in the store it hosts instead of only "the store stopped answering" once it is gone."""
+    def end(self, rank: int, failed: bool = False, posted: bool = False) -> None:
+        """Stop guarding; after a failure (or an exception it ``posted``) rank 0 stays a few watchdog turns, so
+        the peers read the error it posted in the store it hosts instead of only "the store stopped answering"
+        once it is gone."""
         guard = self.guard
         if guard is None or not guard.active:
             return
-        found = guard.failure is not None
+        found = guard.failure is not None or posted
         guard.uninstall(failed=failed)
         if found and rank == 0:
             time.sleep(min(1.0, 5 * guard.interval))

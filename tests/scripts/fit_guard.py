@@ -61,6 +61,8 @@ class Model(L.LightningModule):
         if self.scenario == "rank0_barrier" and self.global_rank == 0 and batch_idx == 1:
             mistake_made(self.out)
             torch.distributed.barrier()  # the same with a barrier
+        if self.scenario == "rank1_raises" and self.global_rank == 1 and batch_idx == 1:
+            raise ValueError("a bad batch on rank 1")  # the program's own error, on one rank
         if self.scenario == "buffer_drift" and self.global_rank == 1:
             self.seen += len(x)  # the mistake: state updated on one rank only, never synced
         return loss

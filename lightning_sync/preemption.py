@@ -90,8 +90,8 @@ class DeferredRequeue(L.Callback):
         flags = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False))), int(self.requested)],
                              device=trainer.strategy.root_device)
         # One guarded operation of a known layout (int64[2] on every rank, from this line): the guard
-        # records it and skips the shape exchange it makes before a user's broadcast on gloo (and, for
-        # FSDP2's confirm_first, runs it on a group of its own: CollectiveGuard.own_broadcast).
+        # records it and skips the confirmation it makes before a user's broadcast on gloo, running it on a
+        # gloo group of its own where nothing else can pair with it (CollectiveGuard.own_broadcast).
         guard = getattr(trainer.strategy, "guard", None)
         try:
             if guard is not None:

@@ -173,7 +173,7 @@ class CollectiveGuard:
         self.confirm_first = bool(confirm_first)
         self.kill_stopped_peers = bool(kill_stopped_peers)
         self.exit_grace = None if exit_grace is None else float(exit_grace)
-        self._side_group: Any = None  # confirm_first's own gloo group (made at install)
+        self._side_group: Any = None  # the guard's own gloo group for token confirmations (made at install on gloo)
         self._flags_group: Any = None  # and one for own_broadcast only
         self._cache: _GroupCache | None = None  # what this install shares with the others on its group
         self._closings = 0  # closing checks of this install (their store keys)
@@ -817,7 +817,7 @@ class _GroupCache:
     * ``clients``: the watchdog's own ``TCPStore`` connection to the rendezvous server, per timeout. A new
       client costs ~1 ms and, about one connection in 12-40 here on torch 2.13, a 5 s stall on every rank
       at once (docs/guard.md, Cost).
-    * ``groups``: ``confirm_first``'s two gloo groups (the side exchange's, the step flags'). Two new ones
+    * ``groups``: the guard's two gloo groups (the token confirmations', the step flags'). Two new ones
       per install were ~3 native threads more per trainer call, freed only with the default group.
     * ``dirty``: an install on this group ended in a failure on this rank. A failed side exchange can leave a
       rank's all-gather pending on those groups and the store client mid-request, so the next install drops

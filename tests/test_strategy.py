@@ -196,7 +196,8 @@ def test_strategy_collectives_at_different_calls_fail_every_rank_at_once(tmp_pat
         assert r["error"]["type"] == "CollectiveMismatchError", r["error"]
         assert r["error"]["seconds"] < 60, r["error"]  # the whole fit: at once, not after the guard timeout (120 s)
         assert "rank 0 at calls_after_fit.py" in r["error"]["message"] and ": barrier;" in r["error"]["message"]
-        assert ": broadcast_object_list src=0" in r["error"]["message"]
+        # (its first broadcast on the wire: the objects' sizes, from rank 0)
+        assert ": broadcast_object_list int64[1] src=0" in r["error"]["message"]
 
 
 ONOFF = Path(__file__).parent / "scripts" / "fit_guard_onoff.py"

@@ -14,8 +14,7 @@ from lightning_sync._compat import TouchPoint
 __all__ = ["DDP_IGNORE_ATTR", "LIGHTNING_RESULT_FILE", "TOUCH_POINTS", "BatchNormBase", "TorchSyncBatchNormFunction",
            "all_gather_single", "ddp_ignored_names", "default_store", "dynamo_callback", "flight_recorder_dump",
            "init_process_group_kwargs",
-           "rank_not_in_group",
-           "raise_group_count"]
+           "rank_not_in_group", "raise_group_count", "replace_default_group"]
 
 #: torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name is deprecated);
 #: same semantics. Public either way; the shim lives here so it is written once.
@@ -65,6 +64,48 @@ def raise_group_count(minimum: int) -> None:
         world.group_count = max(world.group_count, minimum)
 
 
+def replace_default_group(old: Any, new: Any) -> bool:
+    """Make ``new`` the default process group in place of ``old``: ``dist.group.WORLD``, every collective given no
+    group, and the name functional collectives resolve reach ``new``. ``old`` stays registered beside it (same
+    ranks, backend and store: a reference taken before, e.g. a DDP module built earlier, keeps working), unless
+    ``new`` is the one ``old`` stood for (``replace_default_group(watched, original)``), in which case ``old``'s
+    entries go. Returns False (nothing changed) where ``old`` is not the default group or this torch keeps its
+    groups otherwise.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    world = getattr(c10d, "_world", None)
+    names = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag")
+    registry: Any = getattr(torch._C, "_distributed_c10d", None)
+    if (world is None or world.default_pg is not old or not callable(getattr(c10d, "_update_default_pg", None))
+            or not all(isinstance(getattr(world, name, None), dict) for name in names)
+            or not isinstance(getattr(world, "tags_to_pg", None), dict)
+            or not callable(getattr(registry, "_register_process_group", None))
+            or not callable(getattr(registry, "_unregister_process_group", None))):
+        return False
+    restoring = new in world.pg_map  # new was there before old stood in for it
+    for name in names:
+        table = getattr(world, name)
+        if old in table:
+            if restoring:
+                del table[old]
+            else:
+                # new first, so that a search of the tables (by ranks, by tag) finds it before old
+                items = [(new, table[old]), *table.items()]
+                table.clear()
+                table.update(items)
+    for groups in world.tags_to_pg.values():
+        if old in groups:
+            if restoring:
+                groups[:] = [group for group in groups if group is not old]
+            elif new not in groups:
+                groups.insert(0, new)
+    c10d._update_default_pg(new)
+    registry._unregister_process_group(old.group_name)
+    registry._register_process_group(old.group_name, new)
+    return True
+
+
 def default_store() -> Any:
     """The default process group's rendezvous store (a ``torch.distributed.Store``)."""
     return dist.distributed_c10d._get_default_store()
@@ -107,6 +148,17 @@ def init_process_group_kwargs(device_id: Any) -> dict[str, Any]:
 LIGHTNING_RESULT_FILE = "result.py"
 
 
+def _can_replace_group() -> bool:
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    return (all(isinstance(getattr(world, name, None), dict) for name in
+                ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg"))
+            and callable(getattr(c10d, "_update_default_pg", None))
+            and callable(getattr(torch._C._distributed_c10d, "_register_process_group", None))
+            and callable(getattr(torch._C._distributed_c10d, "_unregister_process_group", None)))
+
+
 def _group_count_exists() -> bool:
     from torch.distributed import distributed_c10d as c10d
 
@@ -142,6 +194,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("torch._C._dynamo.eval_frame.get_eval_frame_callback",
                "the collective guard hands collectives run under torch.compile to torch unrecorded",
                lambda: _get_eval_frame_callback is not _no_dynamo_callback and dynamo_callback() is None),
+    TouchPoint("torch.distributed.distributed_c10d._world (its group tables), _update_default_pg, "
+               "torch._C._distributed_c10d._register_process_group",
+               "the collective guard watches the default group (lightning_sync.guard.group)", _can_replace_group),
     TouchPoint("torch.distributed.distributed_c10d._world.group_count",
                "process groups of successive torchrun jobs (launcher)", _group_count_exists),
 )

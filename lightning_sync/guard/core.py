@@ -34,6 +34,8 @@ from lightning_sync.errors import CollectiveMismatchError, LightningSyncError, R
 from lightning_sync.guard import report
 from lightning_sync.guard.callsite import CallSites, is_trusted
 from lightning_sync.guard.fingerprint import Fingerprint, Recorder
+from lightning_sync.guard.group import (DDP_BUCKET_SITE, WatchedGroup, unwatch_default_group, wait_sliced,
+                                        watch_default_group)
 from lightning_sync.guard.intercept import Interceptor
 from lightning_sync.guard.protocol import Exchange, stream_key
 from lightning_sync.guard.watchdog import Monitor, StoreLostError, dump_stacks
@@ -151,7 +153,7 @@ class CollectiveGuard:
     def __init__(self, timeout: float = 120.0, hang_timeout: float | None = None, match_call_sites: bool = True,
                  stream: IO[str] | None = None, history: int = 8, check_every: int = 1,
                  interval: float = 0.1, confirm_first: bool = False, kill_stopped_peers: bool = False,
-                 exit_grace: float | None = None) -> None:
+                 exit_grace: float | None = None, patch_namespace: bool = False) -> None:
         if not isinstance(check_every, int) or check_every < 1:
             raise ValueError(f"CollectiveGuard(check_every={check_every!r}): must be a positive int.")
         if not timeout > 0:
@@ -173,6 +175,7 @@ class CollectiveGuard:
         self.confirm_first = bool(confirm_first)
         self.kill_stopped_peers = bool(kill_stopped_peers)
         self.exit_grace = None if exit_grace is None else float(exit_grace)
+        self.patch_namespace = bool(patch_namespace)
         self._side_group: Any = None  # the guard's own gloo group for token confirmations (made at install on gloo)
         self._flags_group: Any = None  # and one for own_broadcast only
         self._cache: _GroupCache | None = None  # what this install shares with the others on its group
@@ -182,6 +185,7 @@ class CollectiveGuard:
         self._monitor: Monitor | None = None
         self._exchange: Exchange | None = None
         self._interceptor: Interceptor | None = None
+        self._watched: WatchedGroup | None = None
         self._sites: CallSites | None = None
         self._stream = "w"
         self._rank = 0
@@ -380,8 +384,14 @@ class CollectiveGuard:
             if cache.groups is None:
                 cache.groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
             self._side_group, self._flags_group = cache.groups
-        self._interceptor = Interceptor(self)
-        self._interceptor.install()
+        self._watched = watch_default_group(self)
+        if self.patch_namespace or self._watched is None:
+            if self._watched is None:
+                warnings.warn("lightning_sync: this torch keeps its process groups in a way the collective guard "
+                              "does not know; it watches the torch.distributed functions instead of the default "
+                              "group (collectives torch issues in C++ other than DDP's are not seen).", stacklevel=3)
+            self._interceptor = Interceptor(self)
+            self._interceptor.install()
         collectives.register_guard(self._collectives_hook, self._collectives_mismatch, self._record_exchange)
         _active.add(self)
 
@@ -408,11 +418,15 @@ class CollectiveGuard:
         if self._interceptor is not None:
             self._interceptor.uninstall()
             self._interceptor = None
+        if self._watched is not None:
+            unwatch_default_group(self._watched)
+            self._watched = None
         collectives.unregister_guard(self._collectives_hook)
         # (kept for the next install on this default group, unless this one failed: see _GroupCache)
         self._side_group = self._flags_group = None
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
+            monitor.write_report()  # a failure's report, once (its message only where no traceback carries it)
             monitor.leave()
             if (failed or monitor.failure is not None or self._depth) and self._cache is not None:
                 self._cache.dirty = True  # (self._depth: ended from inside a guarded collective)
@@ -443,6 +457,17 @@ class CollectiveGuard:
             self.watch_ddp(module)
 
     def watch_ddp(self, model: torch.nn.parallel.DistributedDataParallel) -> bool:
+        """Record every gradient bucket DDP all-reduces in backward as a guarded collective, so that a
+        collective one rank makes while the others are in backward is a mismatch found within a watchdog turn,
+        not a stall found after ``timeout``. On the watched default group (:mod:`.group`) the group sees the
+        buckets itself; on another group through DDP's public communication hook, whose all-reduce gives the
+        numbers DDP gives without one, to the bit. DDP takes one hook, so a model that has one already
+        (``DDPStrategy(ddp_comm_hook=...)`` on CUDA) is left as it is: returns False then."""
+        if self._watched is not None and model.process_group is self._watched:
+            return True
+        return self._hook_ddp(model)
+
+    def _hook_ddp(self, model: torch.nn.parallel.DistributedDataParallel) -> bool:
         """Record every gradient bucket DDP all-reduces in backward as a guarded collective, so that a
         collective one rank makes while the others are in backward is a mismatch found within a watchdog turn,
         not a stall found after ``timeout``. Through DDP's public communication hook, whose all-reduce gives
@@ -520,7 +545,7 @@ class CollectiveGuard:
         self._record(op, match, None, sys._getframe(1))
         self._depth += 1  # run (waited for in slices) by the interceptor, not checked again
         try:
-            dist.broadcast(tensor, src=0, group=group)
+            wait_sliced(dist.broadcast(tensor, src=0, group=group, async_op=True), self, group)
         finally:
             self._depth -= 1
 
@@ -556,12 +581,12 @@ class CollectiveGuard:
         both = torch.tensor([token, -token, site, -site])
         self._depth += 1  # the exchange itself is not a user's collective
         try:
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=side)
+            wait_sliced(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=side, async_op=True), self, side)
             high, minus_low, _, _ = both.tolist()
             if high == -minus_low:
                 return
             every = torch.empty(2 * dist.get_world_size(), dtype=torch.int64)
-            all_gather_single(every, torch.tensor([token, site]), group=side)
+            wait_sliced(all_gather_single(every, torch.tensor([token, site]), group=side, async_op=True), self, side)
         finally:
             self._depth -= 1
         rows = every.view(-1, 2).tolist()
@@ -612,8 +637,14 @@ class CollectiveGuard:
     # ------------------------------------------------------------------ hot path
 
     def _failure(self) -> BaseException | None:
+        """The failure, for the caller to raise (so the report need not repeat its message)."""
         monitor = self._monitor
-        return monitor.failure if monitor is not None else None
+        if monitor is None:
+            return None
+        failure = monitor.failure
+        if failure is not None:
+            monitor.raised = True
+        return failure
 
     def _record(self, op: str, match: str, group: Any, frame: Any, site: str | None = None) -> Fingerprint | None:
         recorder, sites = self._recorder, self._sites
@@ -669,7 +700,7 @@ class CollectiveGuard:
         mine = next((fp for fp in recorder.last(stream, 64) if fp.seq == seq), None)
         fps[self._rank] = mine
         error = report.mismatch(seq, {r: fps.get(r) for r in tokens})
-        monitor.fail(error)
+        monitor.fail(error, stack=False, raised=True)
         return error
 
     def _explain(self, err: BaseException) -> BaseException:
@@ -687,6 +718,7 @@ class CollectiveGuard:
         failure = self._failure() or monitor.peer_abort()
         if failure is not None:
             failure.__cause__ = err
+            monitor.raised = True
             return failure
         lost = monitor.lost_peers(self._stream)
         if not lost:
@@ -696,7 +728,7 @@ class CollectiveGuard:
             f"#{last[-1].seq} {last[-1].describe()}" if last else "")
         error = report.lost(lost, err, where)
         error.__cause__ = err
-        monitor.fail(error)
+        monitor.fail(error, raised=True)
         return error
 
     def _check_layout(self, name: str, tensor: Tensor, group: Any) -> None:
@@ -710,7 +742,7 @@ class CollectiveGuard:
         except RankMismatchError as err:
             error = CollectiveMismatchError(str(err), err.values)
             if self._monitor is not None:
-                self._monitor.fail(error, post=False, stack=False, may_exit=False)
+                self._monitor.fail(error, post=False, stack=False, may_exit=False, raised=True)
             raise error from None
         finally:
             self._depth -= 1
@@ -842,6 +874,7 @@ _caches: weakref.WeakKeyDictionary[Any, _GroupCache] = weakref.WeakKeyDictionary
 def _group_cache() -> _GroupCache:
     """The default group's cache (a throwaway one where the group type takes no weak reference)."""
     world = dist.group.WORLD
+    world = getattr(world, "wrapped", world)  # the group init_process_group made, watched or not
     try:
         cache = _caches.get(world)
         if cache is None:
@@ -879,8 +912,6 @@ class _BucketHookState:
         self.group = group
 
 
-#: The call site of DDP's gradient all-reduce in reports (no Python frame issues it).
-DDP_BUCKET_SITE = "DistributedDataParallel backward"
 
 
 def _recording_allreduce_hook(state: _BucketHookState, bucket: Any) -> Any:

@@ -11,8 +11,10 @@ import faulthandler
 import os
 import signal
 import socket
+import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable
 from typing import IO, Any
@@ -86,6 +88,9 @@ class Monitor:
         self._write = write
         self._lock = threading.Lock()
         self._failure: BaseException | None = None
+        self._pending: tuple[str, bool, str] | None = None  # the failure's report, until written (report())
+        #: the training thread raised the failure (its traceback carries the message): set by the guard
+        self.raised = False
         self._failed_at = 0.0
         self._may_exit = True
         self._stop = threading.Event()
@@ -194,19 +199,52 @@ class Monitor:
 
     # ---------------------------------------------------------------- one turn
 
-    def fail(self, error: BaseException, post: bool = True, stack: bool = True, may_exit: bool = True) -> None:
+    def fail(self, error: BaseException, post: bool = True, stack: bool = True, may_exit: bool = True,
+             raised: bool = False) -> None:
+        """Fail the run with ``error`` (the first failure wins): every guarded call of the training thread raises
+        it from now on. Its report is written once (:meth:`write_report`): as the rank stops guarding (the message
+        itself only where the training thread did not raise it: its traceback carries it otherwise), or before
+        the grace exit of a thread blocked where Python cannot raise (with every thread's stack if ``stack``).
+        ``raised``: the caller raises it now."""
         with self._lock:
             if self._failure is not None:
+                self.raised = self.raised or raised  # (the caller's traceback carries a message of its own)
                 return
             self._failure = error
             self._failed_at = time.monotonic()
             self._may_exit = may_exit
+            self._pending = (f"[lightning_sync guard] rank {self.exchange.rank}: {type(error).__name__}: {error}\n",
+                             stack, "")
+            self.raised = self.raised or raised
+        if stack and not self.raised:
+            # where this rank stood when the failure was found: written only if the training thread never raises it
+            # (its traceback shows where it was otherwise)
+            stacks = (f"[lightning_sync guard] rank {self.exchange.rank}: Python stacks of every thread when the "
+                      f"failure was found:\n{format_stacks()}")
+            with self._lock:
+                if self._pending is not None:
+                    self._pending = (self._pending[0], stack, stacks)
         if post:
             try:
                 self.exchange.post_abort(f"{type(error).__name__}: {error}")
             except StoreUnavailable:
                 pass
-        self._write(f"[lightning_sync guard] rank {self.exchange.rank}: {type(error).__name__}: {error}\n", stack)
+
+    def write_report(self, ending: str = "") -> None:
+        """Write the failure's report once: this rank's last collectives, preceded by the message unless the
+        training thread raised it, followed by ``ending`` (and every thread's stack when ``ending`` is given and
+        the failure asked for stacks)."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            if ending:
+                self._write(ending, True)
+            return
+        text, stack, stacks = pending
+        if ending:
+            self._write(text + ending, stack)
+        else:
+            self._write("" if self.raised else text + stacks, False)
 
     def turn(self) -> None:
         """Publish, compare, diagnose (one watchdog turn; public for tests)."""
@@ -235,9 +273,8 @@ class Monitor:
             kind, _, text = message.partition(": ")
             error: BaseException = _rebuild(kind, text)
             program = text.startswith(f"rank {r} raised")  # the program's exception on rank r, posted as it left
-            if not program:  # the guard's own finding on rank r: whose it is, then where this rank stands
-                self._write(f"[lightning_sync guard] rank {self.exchange.rank}: rank {r} raised {kind}; where rank "
-                            f"{self.exchange.rank} stands is below\n", False)
+            if not program:  # the guard's own finding on rank r: say whose it is
+                error = _rebuild(kind, f"(found by rank {r}) {text}")
             self.fail(error, post=False, stack=not program)
         now = time.monotonic()
         if busy is not None and self._failure is None:
@@ -270,10 +307,9 @@ class Monitor:
         if self._failure is None or self._stop.is_set() or not self._may_exit:
             return
         if time.monotonic() - self._failed_at > self.grace:
-            self._write(f"[lightning_sync guard] rank {self.exchange.rank}: the failure above did not end the run "
+            self.write_report(f"[lightning_sync guard] rank {self.exchange.rank}: the failure above did not end the run "
                         f"within {self.grace:g} s (the training thread is blocked where Python cannot raise, or the "
-                        f"error was caught and training went on); ending the process (exit code {_EXIT_CODE}).\n",
-                        True)
+                        f"error was caught and training went on); ending the process (exit code {_EXIT_CODE}).\n")
             os._exit(_EXIT_CODE)
 
     # ---------------------------------------------------------------- diagnosis
@@ -411,6 +447,16 @@ def _after_fork_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork_child)
+
+
+def format_stacks() -> str:
+    """Every thread's Python stack as text (as ``faulthandler`` writes them, most recent call first)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        lines = "".join(reversed(traceback.format_stack(frame)))
+        parts.append(f"Thread {names.get(ident, hex(ident or 0))} (most recent call first):\n{lines}")
+    return "\n".join(parts)
 
 
 def dump_stacks(stream: IO[str]) -> None:

@@ -131,7 +131,8 @@ def main() -> None:
     report["warnings"] = [str(w.message) for w in caught]
     report["steps"] = trainer.global_step
     report["checks"] = check.checks
-    report["patched_after"] = hasattr(torch.distributed.all_reduce, "__lightning_sync_guarded__")
+    report["patched_after"] = (hasattr(torch.distributed.all_reduce, "__lightning_sync_guarded__")
+                               or type(torch.distributed.group.WORLD).__name__ == "WatchedGroup")
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
 

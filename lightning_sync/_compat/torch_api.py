@@ -14,7 +14,8 @@ from lightning_sync._compat import TouchPoint
 __all__ = ["DDP_IGNORE_ATTR", "LIGHTNING_RESULT_FILE", "TOUCH_POINTS", "BatchNormBase", "TorchSyncBatchNormFunction",
            "all_gather_single", "ddp_ignored_names", "default_store", "dynamo_callback", "flight_recorder_dump",
            "init_process_group_kwargs",
-           "rank_not_in_group", "raise_group_count", "replace_default_group"]
+           "rank_not_in_group", "raise_group_count", "replace_default_group", "WorkBase", "C10D_MODULES",
+           "AUTOGRAD_MODULES", "DYNAMO_DISABLE_MODULE", "current_autograd_node"]
 
 #: torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name is deprecated);
 #: same semantics. Public either way; the shim lives here so it is written once.
@@ -62,6 +63,27 @@ def raise_group_count(minimum: int) -> None:
     world = getattr(c10d, "_world", None)
     if world is not None:
         world.group_count = max(world.group_count, minimum)
+
+
+#: The base class of a collective's work handle, subclassable in Python (``torch.distributed._Work``).
+WorkBase: Any = getattr(dist, "_Work", None) or torch._C._distributed_c10d.Work
+#: Modules whose frames make up a torch.distributed collective function (its body, its logging decorator,
+#: the functional collectives).
+C10D_MODULES = frozenset({"torch.distributed.distributed_c10d", "torch.distributed.c10d_logger",
+                          "torch.distributed._functional_collectives"})
+#: The module of ``torch.compiler.disable``'s wrapper frames.
+DYNAMO_DISABLE_MODULE = "torch._dynamo.eval_frame"
+#: Modules whose frame calls into autograd's engine (``loss.backward()``): a collective issued with one of them
+#: as the innermost Python frame comes from a backward hook (DDP's reducer).
+AUTOGRAD_MODULES = frozenset({"torch.autograd.graph", "torch.autograd", "torch._tensor"})
+
+
+def _no_autograd_node() -> None:
+    return None
+
+
+#: The autograd node this thread is executing (None outside backward): C, cheap.
+current_autograd_node: Any = getattr(torch._C, "_current_autograd_node", _no_autograd_node)
 
 
 def replace_default_group(old: Any, new: Any) -> bool:
@@ -197,6 +219,11 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("torch.distributed.distributed_c10d._world (its group tables), _update_default_pg, "
                "torch._C._distributed_c10d._register_process_group",
                "the collective guard watches the default group (lightning_sync.guard.group)", _can_replace_group),
+    TouchPoint("torch.distributed._Work (Python subclass), torch._C._current_autograd_node, the c10d modules",
+               "the watched group's sliced waits and its reading of who issued a collective",
+               lambda: WorkBase is not None and current_autograd_node is not _no_autograd_node
+               and current_autograd_node() is None
+               and all(__import__(m, fromlist=["_"]) is not None for m in C10D_MODULES)),
     TouchPoint("torch.distributed.distributed_c10d._world.group_count",
                "process groups of successive torchrun jobs (launcher)", _group_count_exists),
 )

@@ -105,7 +105,7 @@ class CollectiveGuard:
 
         dist.init_process_group(...)
         with CollectiveGuard(timeout=30):
-            ...  # every torch.distributed / lightning_sync collective is checked
+            ...  # every collective on the default group (DDP's included) and lightning_sync's is checked
 
     Each rank records a fingerprint of every collective (op, dtype/shape, reduce op/src/dst, call
     site, Lightning hook) locally; a background thread publishes them in batches and compares the
@@ -148,6 +148,11 @@ class CollectiveGuard:
             programs whose other collectives the guard does not see (FSDP2's all-gathers and
             reduce-scatters). Otherwise a same-shape call on a subgroup compares shapes with one small
             exchange on its own group. A rank that never reaches the call is named after ``timeout``.
+        patch_namespace: also replace the collective functions of the ``torch.distributed`` namespace while
+            installed, so that calls on subgroups the program makes itself (``dist.new_group``) are checked
+            too. Off by default: the guard watches the default process group (:mod:`.group`), which sees every
+            collective on it, DDP's gradient buckets and torch's own included, and leaves torch's namespace
+            as it is (``torch.compile`` traces as without the guard).
     """
 
     def __init__(self, timeout: float = 120.0, hang_timeout: float | None = None, match_call_sites: bool = True,

@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_sync._compat.torch_api import (AUTOGRAD_MODULES, C10D_MODULES, DYNAMO_DISABLE_MODULE, WorkBase,
+                                             current_autograd_node)
 from lightning_sync.collectives import backend_for
 from lightning_sync.guard.callsite import is_trusted
 from lightning_sync.guard.fingerprint import describe_tensor, op_name
@@ -51,12 +53,10 @@ __all__ = ["DDP_BUCKET_SITE", "WatchedGroup", "unwatch_default_group", "wait_sli
 DDP_BUCKET_SITE = "DistributedDataParallel backward"
 
 _ProcessGroup: Any = dist.ProcessGroup
-_Work: Any = getattr(dist, "_Work", None) or torch._C._distributed_c10d.Work
-#: Modules whose frames make up a torch.distributed collective function (its body, its logging decorator).
-_C10D = frozenset({"torch.distributed.distributed_c10d", "torch.distributed.c10d_logger",
-                   "torch.distributed._functional_collectives"})
-_AUTOGRAD = frozenset({"torch.autograd.graph", "torch.autograd", "torch._tensor"})
-_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+_Work: Any = WorkBase
+_C10D = C10D_MODULES
+_AUTOGRAD = AUTOGRAD_MODULES
+_current_autograd_node = current_autograd_node
 
 # For each group method: where its tensor is (the one that must have one shape on every rank; None: no
 # such tensor), whether it is a list there, and what else must agree ("op", "src", "dst": read from opts).
@@ -108,7 +108,7 @@ def _issuer(frame: Any) -> tuple[str | None, Any]:
     """The torch.distributed function that issued this call (its outermost frame's name; None: not one) and the
     frame that called it (the caller of the group method when no torch.distributed function is on the stack)."""
     public = None
-    while frame is not None and frame.f_globals.get("__name__") == "torch._dynamo.eval_frame":
+    while frame is not None and frame.f_globals.get("__name__") == DYNAMO_DISABLE_MODULE:
         frame = frame.f_back  # torch.compiler.disable's wrapper of the group method
     while frame is not None and frame.f_globals.get("__name__") in _C10D:
         if frame.f_globals.get("__name__") != "torch.distributed.c10d_logger":
@@ -312,9 +312,8 @@ for _name in _METHODS:
 
 def _backend_type(backend: Any) -> Any:
     types = _ProcessGroup.BackendType
-    c10d = torch._C._distributed_c10d
     for cls_name, kind in (("ProcessGroupGloo", types.GLOO), ("ProcessGroupNCCL", types.NCCL)):
-        cls = getattr(c10d, cls_name, None)
+        cls = getattr(dist, cls_name, None)  # (absent from builds without that backend)
         if cls is not None and isinstance(backend, cls):
             return kind
     return types.CUSTOM

@@ -197,6 +197,26 @@ def test_mid_epoch_resume_after_a_worker_snapshot_is_exact(tmp_path: Path) -> No
         assert _weights_equal(tmp_path / tag, tmp_path / f"{tag}resume", 2), f"{tag}: final weights differ"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_ddp_sync_checkpoint_resumes_under_lightnings_own_ddp(tmp_path: Path) -> None:
+    """Issue 45, point 2: a step-5 checkpoint of a 2-rank ddp_sync fit (mid-epoch, with ddp_sync's loader state)
+    resumed by Lightning's strategy="ddp" to the end, and by ddp_sync exactly. Before: "The CombinedLoader has 0
+    stateful loaders, but found 1 states in the checkpoint"."""
+    output = _launch(tmp_path, "full:2,stop:2:5:5@stop,ddpresume:2:stop@ddp,resume:2:stop@sync")
+    ckpt = torch.load(tmp_path / "stop" / "last.ckpt", weights_only=False)
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == []  # Lightning's place: nothing to refuse
+    assert ckpt["lightning_sync"]["fit_loop_loader_states"], "ddp_sync keeps the loader state in its own entry"
+    full, stop, ddp, sync = (_steps(tmp_path / tag, 2) for tag in ("full", "stop", "ddp", "sync"))
+    for r in range(2):
+        assert stop[r] == full[r][:5]
+        assert ddp[r] and all(step[0] in (0, 1) for step in ddp[r])  # Lightning's own (inexact) mid-epoch resume
+        assert ddp[r][-1][0] == 1  # trained to the end of the second epoch
+        assert sync[r] == full[r][5:], f"rank {r}: ddp_sync's exact resume of the same file differs"
+    assert _weights_equal(tmp_path / "full", tmp_path / "sync", 2)
+    assert "CombinedLoader" not in output
+
+
 def _epoch_samples(steps: list[list], epoch: int) -> Counter:
     return Counter(i for rank_steps in steps for e, idx, _ in rank_steps if e == epoch for i in idx)
 

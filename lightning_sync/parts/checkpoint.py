@@ -19,7 +19,7 @@ from lightning_sync.errors import ResumeError
 from lightning_sync.parts.base import Part
 from lightning_sync.parts.data import ResumableDataPart
 from lightning_sync.parts.seed import SeedLineagePart
-from lightning_sync.resume.checkpoint import ResumeHooks
+from lightning_sync.resume.checkpoint import ResumeHooks, stash_loader_states
 from lightning_sync.seeding import CHECKPOINT_KEY
 
 __all__ = ["CheckpointStatePart"]
@@ -48,6 +48,7 @@ class CheckpointStatePart(Part):
         step = checkpoint.get("global_step")
         if directory is not None:
             checkpoint[CHECKPOINT_KEY] = {**seed.lineage.shared_state(step), "rank_files": RANK_FILES}
+            stash_loader_states(checkpoint, checkpoint[CHECKPOINT_KEY])
             self._to_write = {**seed.lineage.rank_state(payload), "global_step": step}
             if strategy.global_rank == 0 and not directory.is_file():
                 # before the save's first collective: the directory now says which rank files complete it
@@ -56,6 +57,7 @@ class CheckpointStatePart(Part):
         state = seed.lineage.checkpoint_state(payload, step)
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state
+            stash_loader_states(checkpoint, state)  # Lightning's own strategies can resume the file too
 
     def after_save_checkpoint(self, strategy: Any, directory: Path | None) -> None:
         # After the strategy's save (its path broadcast came after rank 0 cleared the directory): each rank

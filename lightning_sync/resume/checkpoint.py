@@ -11,8 +11,8 @@ from lightning_sync.resume.loader import STATE_KEY, torchdata_available
 from lightning_sync.resume.sampler import ResumableDistributedSampler
 from lightning_sync.seeding import CHECKPOINT_KEY, _restore_rng_state
 
-__all__ = ["EpochLengthSync", "ResumeHooks", "describe_reshard", "is_mid_epoch", "local_loader_states",
-           "select_loader_state"]
+__all__ = ["LOOP_STATES_KEY", "EpochLengthSync", "ResumeHooks", "describe_reshard", "is_mid_epoch",
+           "local_loader_states", "restore_loader_states", "select_loader_state", "stash_loader_states"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,34 @@ def local_loader_states(checkpoint: dict[str, Any]) -> list[dict[str, Any]] | No
     """This rank's data-loader states in a checkpoint dict being saved (Lightning's fit loop put them there)."""
     state = _fit_loop_state(checkpoint)
     return state.get("combined_loader") if state is not None else None
+
+
+#: Where ``checkpoint["lightning_sync"]`` keeps the loader states Lightning's fit loop saved (see
+#: :func:`stash_loader_states`).
+LOOP_STATES_KEY = "fit_loop_loader_states"
+
+
+def stash_loader_states(checkpoint: dict[str, Any], entry: dict[str, Any]) -> None:
+    """Move the resumable loader's state out of Lightning's fit-loop entry into ``entry`` (the checkpoint's
+    ``"lightning_sync"`` dict), leaving Lightning an empty list there. Lightning's own strategies then resume the
+    checkpoint as one of theirs (the plain ``DataLoader`` they are given has no state to take: with the state in
+    its place Lightning refuses, "The CombinedLoader has 0 stateful loaders, but found 1 states"), with their
+    inexact mid-epoch resume; ``ddp_sync`` puts it back at load (:func:`restore_loader_states`). Loader states
+    of a user's own stateful loaders (no ``lightning_sync`` state in them) stay where Lightning put them."""
+    state = _fit_loop_state(checkpoint)
+    loaders = state.get("combined_loader") if state is not None else None
+    if state is None or not loaders or not any(isinstance(x, dict) and STATE_KEY in x for x in loaders):
+        return
+    entry[LOOP_STATES_KEY] = loaders
+    state["combined_loader"] = []
+
+
+def restore_loader_states(checkpoint: dict[str, Any]) -> None:
+    """Undo :func:`stash_loader_states` on a checkpoint being loaded (before Lightning's fit loop reads it)."""
+    ours = checkpoint.get(CHECKPOINT_KEY)
+    state = _fit_loop_state(checkpoint)
+    if isinstance(ours, dict) and state is not None and ours.get(LOOP_STATES_KEY) and not state.get("combined_loader"):
+        state["combined_loader"] = ours[LOOP_STATES_KEY]
 
 
 def select_loader_state(checkpoint: dict[str, Any], states: list[Any] | None, world_size: int,
@@ -117,6 +145,7 @@ class ResumeHooks:
         if not fitting:  # validate/test/predict from a checkpoint: no training loader to resume
             return
         ours = checkpoint.get(CHECKPOINT_KEY) or {}
+        restore_loader_states(checkpoint)
         sampler_state = select_loader_state(checkpoint, ours.get("loader_states"), world_size, rank)
         self._rng_after_iterator = None
         if sampler_state is None:

@@ -7,6 +7,8 @@ PLAN is a comma-separated list of fits run one after the other in the same rank 
   full:E            uninterrupted, E epochs
   stop:E:S:K        E epochs, stopped after S steps (-1: not), ModelCheckpoint every K steps into OUT/<tag>/
   resume:E:CKPT     resume CKPT (a path, or a stop TAG of this plan: its last.ckpt) to E epochs
+  ddpresume:E:CKPT[:S]  the same under Lightning's own strategy="ddp" (a checkpoint of ddp_sync's, resumed without
+                    it), to at most S steps
   preempt:E:S       E epochs; rank r sends itself SLURM's requeue signal (SIGUSR1) inside training step
                     S + r (the ranks see it at different steps), stopped 3 steps later; Lightning's
                     requeue checkpoint goes to OUT/<tag>/ (run under a SLURM environment: tests set one)
@@ -21,6 +23,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -83,10 +86,11 @@ class Report(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, model: Model) -> None:
         r = trainer.global_rank
         self.out.mkdir(parents=True, exist_ok=True)
-        part = trainer.strategy.part(ls.parts.RequeuePart)
+        part = trainer.strategy.part(ls.parts.RequeuePart) if hasattr(trainer.strategy, "part") else None
         requeue = part.requeue if part is not None else None
         (self.out / f"rank{r}.json").write_text(json.dumps({"rank": r, "world": trainer.world_size,
-                                                            "seed": trainer.strategy.seed, "steps": model.steps,
+                                                            "seed": getattr(trainer.strategy, "seed", None),
+                                                            "steps": model.steps,
                                                             "global_step": trainer.global_step,
                                                             "requeue_checkpoints": getattr(requeue, "handled", 0)}))
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, self.out / f"rank{r}.pt")
@@ -107,9 +111,12 @@ def run(out: Path, kind: str, args: list[str], tag: str, opts: argparse.Namespac
                                                              save_top_k=-1, save_last=True))
     if kind == "preempt":
         max_steps = int(args[1]) + 3
-    if kind == "resume":
+    if kind in ("resume", "ddpresume"):
         ckpt = args[1] if "/" in args[1] else str(out / args[1] / "last.ckpt")
-    strategy = ls.SyncDDPStrategy(seed=None if kind == "resume" else 1234, resume=opts.auto)
+        if len(args) > 2:
+            max_steps = int(args[2])
+    strategy: Any = ("ddp" if kind == "ddpresume"
+                     else ls.SyncDDPStrategy(seed=None if kind == "resume" else 1234, resume=opts.auto))
     trainer = L.Trainer(accelerator=opts.accelerator, devices=opts.devices, strategy=strategy, max_epochs=epochs,
                         max_steps=max_steps, logger=False,
                         enable_checkpointing=kind == "stop", callbacks=callbacks, limit_val_batches=0,

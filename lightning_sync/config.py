@@ -166,6 +166,11 @@ def unknown_override(args: list[str]) -> str | None:
     conf = Path(__file__).parent / "conf"
     overrides = [a for a in args if "=" in a and not a.startswith(("+", "~", "hydra", "-"))]
     is_group = [(conf / a.split("=", 1)[0]).is_dir() for a in overrides]
+    for arg, group in zip(overrides, is_group):
+        if group:
+            problem = _unknown_choice(conf, *arg.split("=", 1))
+            if problem is not None:
+                return problem
     groups = [a.split(",", 1)[0] for a, g in zip(overrides, is_group) if g]  # a sweep: its first choice
     try:
         with initialize_config_module("lightning_sync.conf", version_base="1.3"):
@@ -186,6 +191,23 @@ def unknown_override(args: list[str]) -> str | None:
         hint = (f"did you mean {where}{near[0]}? Fix: {where}{near[0]}={arg.split('=', 1)[1]}" if near else
                 f"the keys there are {', '.join(sorted(options))}")
         return f"{key}: no such key in the config ({hint}). `lsync-train --cfg job` prints the composed config."
+    return None
+
+
+def _unknown_choice(conf: Path, group: str, value: str) -> str | None:
+    """A config-group override naming an option the group lacks (every choice of a sweep ``a,b`` checked), with the
+    nearest option and the list of options a user may choose: the group's shared parts (``_base``, ``_ddp``) are
+    not among them, as Hydra's own message would list them."""
+    import difflib
+
+    options = sorted(p.stem for p in (conf / group).glob("*.yaml") if not p.stem.startswith("_"))
+    for choice in (c.strip() for c in value.split(",")):
+        if not choice or choice in options or choice == "null" or "(" in choice or "/" in choice:
+            continue  # (null, and Hydra's sweep functions such as choice(...) / nested paths: Hydra judges them)
+        near = difflib.get_close_matches(choice, options, n=1)
+        hint = f"did you mean {near[0]}? Fix: {group}={near[0]}; " if near else ""
+        return (f"{group}={choice}: no such option in config group {group!r} ({hint}the options are "
+                f"{', '.join(options)}).")
     return None
 
 

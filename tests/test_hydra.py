@@ -351,6 +351,9 @@ def test_lightnings_ddp_with_sync_batchnorm_on_cpu_is_refused_before_any_process
                               "trainer.max_epochs=3)"),
     (["-m", "trainer=cpu", "model.lrr=0.1,0.2"], "model.lrr: no such key"),
     (["sed=3"], "sed: no such key in the config (did you mean seed? Fix: seed=3)"),
+    # a group option mistyped, in a sweep's second choice too: the options a user may pick, no _base / _ddp
+    (["-m", "trainer=cpu,cpu_dpp"], "trainer=cpu_dpp: no such option in config group 'trainer' (did you mean "
+                                    "cpu_ddp? Fix: trainer=cpu_ddp; the options are cpu, cpu_ddp, gpu, gpu_ddp)"),
 ])
 def test_mistyped_keys_get_the_projects_config_error(args: list[str], expected: str, tmp_path: Path) -> None:
     from lightning_sync.config import unknown_override

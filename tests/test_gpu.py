@@ -108,8 +108,19 @@ def _nccl_world_of_one(rank: int, world: int) -> dict[str, Any]:
         torch.cuda.synchronize()
         out["slow"] = slow
         out["guarded"] = gathered
+        # the watched default group on NCCL: torch's backend object and name unchanged, DDP's bucket seen from
+        # the autograd thread that runs CUDA backward (no Python frame of the program there)
+        world = dist.group.WORLD
+        out["watched"] = [type(world).__name__, str(dist.get_backend()),
+                          type(world._get_backend(cuda)).__name__]
+        model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2).to(cuda), device_ids=[cuda.index])
+        guard.watch_module(model)
+        model(torch.randn(8, 4, device=cuda)).sum().backward()
+        torch.cuda.synchronize()
+        out["history"] = list(guard.history)
         out["guard_failure"] = repr(guard.failure)
     out["restored"] = dist.all_reduce.__module__
+    out["world_after"] = type(dist.group.WORLD).__name__
     work = C_._device_barrier(async_op=True)
     work.wait(timedelta(seconds=30))
     C_._device_barrier()
@@ -149,6 +160,10 @@ def test_nccl_world_of_one_collectives_transport_guard_and_kernels() -> None:
     assert res["guarded"].tolist() == [1.0] * 4 and res["guard_failure"] == "None"
     assert res["slow"].tolist() == [1.0] * 4 and res["queued_s"] < 0.5, res["queued_s"]  # queued, not waited for
     assert res["restored"].startswith("torch.distributed"), "the guard left torch.distributed wrapped"
+    assert res["watched"] == ["WatchedGroup", "nccl", "ProcessGroupNCCL"], res["watched"]
+    assert any("DistributedDataParallel backward: DDP gradient all-reduce float32[" in h for h in res["history"]), \
+        res["history"]
+    assert res["world_after"] == "ProcessGroup", "the guard left the default group watched"
     for key, want in res["reference"].items():
         torch.testing.assert_close(res["kernel"][key], want, rtol=TOL, atol=TOL, msg=lambda m, k=key: f"{k}: {m}")
 

@@ -139,7 +139,40 @@ class CheckConfig(Callback):
             raise SystemExit(f"lsync-train: config error: {problem}")
         # submitit_slurm runs the jobs on the cluster's nodes, not here: their GPUs and SLURM
         # environment are checked when each job starts.
-        _check_or_exit(config, this_machine=not str(launcher).endswith("SlurmLauncher"))
+        this_machine = not str(launcher).endswith("SlurmLauncher")
+        _check_or_exit(config, this_machine=this_machine)
+        _check_sweep(config, this_machine)
+
+
+#: A sweep of more jobs than this is checked for its first ones only (composing a config takes ~10 ms).
+SWEEP_CHECK_LIMIT = 1000
+
+
+def _check_sweep(config: DictConfig, this_machine: bool) -> None:
+    """Every job of a basic-sweeper multirun composed and checked before the first one runs: a bad value in the
+    sweep's last job (``model.lr=0.01,abc``) stops the sweep at once, naming the job, instead of after the
+    jobs before it have trained. Other sweepers (Optuna, Ax) choose their values as they go: their jobs are
+    checked as each starts."""
+    from hydra import compose
+
+    from lightning_sync._compat.omegaconf_api import sweep_jobs
+
+    sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
+    if not sweeper.endswith("BasicSweeper"):
+        return
+    task = [str(o) for o in (OmegaConf.select(config, "hydra.overrides.task", default=None) or [])]
+    try:
+        jobs = sweep_jobs(task)
+    except Exception:  # noqa: BLE001 - an override Hydra's sweeper will judge with its own message
+        return
+    if len(jobs) < 2:
+        return
+    for number, job in enumerate(jobs[:SWEEP_CHECK_LIMIT]):
+        try:
+            check_config(compose(config_name="train", overrides=job), this_machine=this_machine)
+        except ConfigError as err:
+            raise SystemExit(f"lsync-train: config error: sweep job #{number} of {len(jobs)} ({' '.join(job)}), "
+                             f"before any job ran: {err}") from None
 
 
 def _portable_syncbn(strategy: Any) -> bool:

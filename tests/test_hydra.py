@@ -187,11 +187,15 @@ def test_multirun_under_torchrun(tmp_path: Path) -> None:
 
 BAD = {
     "devices0": (["trainer.devices=0"], {}, "trainer.devices=0: the number of processes per node must be >= 1"),
-    "unknown_option": (["trainer=tpu_pod"], {}, "Could not find 'trainer/tpu_pod'"),
+    "unknown_option": (["trainer=tpu_pod"], {}, "trainer=tpu_pod: no such option in config group 'trainer' (the "
+                                               "options are cpu, cpu_ddp, gpu, gpu_ddp)"),
     "gpu_without_gpu": (["trainer=gpu_ddp"], {}, "trainer.accelerator=gpu: this machine has no usable GPU"),
     # issue 45: a strategy option outside its choices, refused before a run directory (was: inside instantiate)
     "uneven_typo": (["trainer.strategy.uneven_batches=joinn"], {},
                     "trainer.strategy.uneven_batches=joinn: must be 'error' or 'stop_together' or 'join'"),
+    # issue 45: a sweep's bad value in its last job stops the sweep before its first job trains
+    "sweep_value": (["-m", "trainer=cpu", "model.lr=0.01,abc"], {},
+                    "sweep job #1 of 2 (trainer=cpu model.lr=abc), before any job ran: model.lr=abc: must be float"),
 }
 # The same checks against a launcher's environment, in-process (the CLI path is the one above).
 BAD_IN_ENV = {
@@ -300,8 +304,9 @@ def test_bad_configs_fail_fast_with_the_fix_and_help_works(tmp_path: Path) -> No
         assert proc.returncode not in (0, 124, 137), f"{name}: exit {proc.returncode}\n{out[-3000:]}"
         assert "Fix:" in out or name == "unknown_option", out[-2000:]
         assert not list((tmp_path / name).rglob("rank1.log")), f"{name}: a rank was spawned"
-        if name != "unknown_option":  # refused before Hydra made the run directory
-            assert not (tmp_path / name / "run").exists(), f"{name}: a run directory was left behind"
+        # refused before Hydra made the run directory (a sweep: before its first job's)
+        assert not (tmp_path / name / "run").exists(), f"{name}: a run directory was left behind"
+        assert not list((tmp_path / name).rglob("config.yaml")), f"{name}: a job started"
     assert time.monotonic() - started < 150
     # `lsync-train --help | head -1`: the reader leaves early; no BrokenPipeError traceback
     piped = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m lightning_sync.train --help | head -1"],

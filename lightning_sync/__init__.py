@@ -3,11 +3,10 @@
 ``import lightning_sync`` registers the strategy names ``"ddp_sync"``, ``"ddp_sync_spawn"``, ``"model_parallel_sync"`` and
 ``"ddp_sync_notebook"`` (Jupyter). ``lightning_sync.pl`` is the same API for the ``pytorch_lightning``
 package (its classes subclass ``pytorch_lightning``'s; ``lightning_sync._namespace`` builds it from
-these files); ``import lightning_sync`` imports it, registering the names in ``pytorch_lightning``'s
-registry too, when ``pytorch_lightning`` was imported first.
+these files); ``import lightning_sync`` registers the names in ``pytorch_lightning``'s registry too (before
+or after ``pytorch_lightning`` is imported), and the first ``pytorch_lightning.Trainer`` that asks for one
+builds ``lightning_sync.pl``.
 """
-
-import sys as _sys
 
 from lightning.pytorch.strategies import StrategyRegistry as _strategy_registry
 
@@ -41,9 +40,7 @@ __version__ = "0.1.0"
 
 from lightning_sync import _namespace  # noqa: E402  (after the API it re-exports)
 
-_namespace.install()
-if "pytorch_lightning" in _sys.modules:  # a pytorch_lightning user: its Trainer gets the same names
-    import lightning_sync.pl  # noqa: E402, F401
+_namespace.install()  # (pytorch_lightning's registry gets the names too, whichever is imported first)
 
 __all__ = [
     "CollectiveGuard",

@@ -23,12 +23,12 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["PL_PACKAGE", "install", "lightning_dependent"]
+__all__ = ["PL_PACKAGE", "install", "lightning_dependent", "register_lazily"]
 
 PACKAGE = "lightning_sync"
 PL_PACKAGE = "lightning_sync.pl"
@@ -164,8 +164,77 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 _FINDER = _Finder()
 
+#: The strategy names ``pytorch_lightning``'s registry gets: (name, class in ``lightning_sync.pl``, init
+#: parameters, description); the same entries ``strategy.register`` and ``model_parallel.register`` make.
+_PL_NAMES: tuple[tuple[str, str, dict[str, object], str], ...] = (
+    ("ddp_sync", "SyncDDPStrategy", {"start_method": "popen"},
+     "DDP with seed broadcast, exact gather support and clean teardown"),
+    ("ddp_sync_spawn", "SyncDDPStrategy", {"start_method": "spawn"}, "ddp_sync started with torch.multiprocessing.spawn"),
+    ("ddp_sync_notebook", "SyncDDPStrategy", {"start_method": "fork"},
+     "ddp_sync for Jupyter notebooks (ranks forked, like ddp_notebook)"),
+    ("model_parallel_sync", "SyncModelParallelStrategy", {},
+     "ModelParallelStrategy (FSDP2) with lightning_sync's parts"),
+)
+
+
+def _pl_strategy(class_name: str) -> Callable[..., object]:
+    def build(**init_params: object) -> object:
+        import lightning_sync.pl as lpl  # built at the first Trainer that asks (~0.4 s), not at import
+
+        return getattr(lpl, class_name)(**init_params)
+
+    build.__name__ = build.__qualname__ = class_name
+    return build
+
+
+def register_lazily(registry: object) -> None:
+    """Register the strategy names in ``pytorch_lightning``'s ``registry`` without building ``lightning_sync.pl``
+    yet: each entry builds it when a ``Trainer`` asks for the name (idempotent)."""
+    for name, class_name, init_params, description in _PL_NAMES:
+        if name not in registry:  # type: ignore[operator]
+            registry.register(name, _pl_strategy(class_name), description=description,  # type: ignore[attr-defined]
+                              **init_params)
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """When ``pytorch_lightning.strategies`` is imported after ``lightning_sync``, register the names in its
+    registry as it is made (a ``pytorch_lightning.Trainer(strategy="ddp_sync")`` works in either import order)."""
+
+    module = "pytorch_lightning.strategies"
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.module:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            registry = getattr(module, "StrategyRegistry", None)
+            if registry is not None:
+                register_lazily(registry)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]  # (this spec's own loader instance)
+        return spec
+
 
 def install() -> None:
-    """Make ``import lightning_sync.pl`` (and its submodules) work (idempotent)."""
+    """Make ``import lightning_sync.pl`` (and its submodules) work, and ``pytorch_lightning``'s registry know the
+    strategy names whenever it is imported (idempotent)."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _FINDER)
+    if "pytorch_lightning.strategies" in sys.modules:
+        register_lazily(sys.modules["pytorch_lightning.strategies"].StrategyRegistry)
+    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())

@@ -45,6 +45,24 @@ def test_pytorch_lightning_trainer_accepts_the_names_and_the_class() -> None:
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("first", ["pytorch_lightning", "lightning_sync"])
+def test_the_names_reach_pytorch_lightning_in_either_import_order_and_the_build_waits(first: str) -> None:
+    """Issue 45, point 4: `import lightning_sync` then `import pytorch_lightning` gave Lightning's generic
+    invalid-strategy error; and the pytorch_lightning build (~0.4 s) was made at import, wanted or not."""
+    other = "lightning_sync" if first == "pytorch_lightning" else "pytorch_lightning"
+    code = (f"import sys, {first}, {other}\n"
+            "import pytorch_lightning as pl\n"
+            "built_at_import = 'lightning_sync.pl' in sys.modules\n"
+            "t = pl.Trainer(accelerator='cpu', devices=2, strategy='ddp_sync', logger=False)\n"
+            "import lightning_sync.pl as lpl\n"
+            "assert type(t.strategy) is lpl.SyncDDPStrategy and t.strategy._start_method == 'popen', t.strategy\n"
+            "t = pl.Trainer(accelerator='cpu', devices=2, strategy='model_parallel_sync', logger=False)\n"
+            "assert type(t.strategy) is lpl.SyncModelParallelStrategy, type(t.strategy)\n"
+            "print('built at import:', built_at_import)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("built at import: False"), proc.stderr[-3000:]
+
+
 def test_lightning_users_do_not_import_pytorch_lightning() -> None:
     proc = subprocess.run([sys.executable, "-c", "import sys, lightning_sync; print('pytorch_lightning' in sys.modules)"],
                           capture_output=True, text=True, timeout=120)

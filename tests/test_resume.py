@@ -22,7 +22,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_sync.errors import ResumeError
 from lightning_sync.resume import ResumableDistributedSampler, find_resume_checkpoint, is_mid_epoch, make_resumable
-from tests.launch import free_port
+from tests.launch import free_port, load_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_resume.py"
 N = 50  # fit_resume.py's data set size
@@ -215,6 +215,9 @@ def test_a_ddp_sync_checkpoint_resumes_under_lightnings_own_ddp(tmp_path: Path) 
         assert sync[r] == full[r][5:], f"rank {r}: ddp_sync's exact resume of the same file differs"
     assert _weights_equal(tmp_path / "full", tmp_path / "sync", 2)
     assert "CombinedLoader" not in output
+    # and the model alone loads as any Lightning checkpoint does
+    model = load_script(SCRIPT).Model.load_from_checkpoint(tmp_path / "stop" / "last.ckpt", map_location="cpu")
+    assert torch.equal(model.state_dict()["net.0.weight"], ckpt["state_dict"]["net.0.weight"])
 
 
 def _epoch_samples(steps: list[list], epoch: int) -> Counter:

@@ -109,6 +109,12 @@ def test_evaluation_and_mid_epoch_resume(strategy: str, tmp_path: Path) -> None:
                                                                             "rank1-of-2.pt"]
     entry = torch.load(last / "meta.pt", weights_only=True)["lightning_sync"]
     assert entry["rank_files"] and "rng_states" not in entry and "loader_states" not in entry
+    # Lightning's own ModelParallelStrategy resumes the same checkpoint (issue 45: the resumable loader's state
+    # waits in lightning_sync's entry, not in the fit loop's slot, where Lightning would refuse it)
+    meta = torch.load(last / "meta.pt", weights_only=False)
+    assert meta["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [] and entry["fit_loop_loader_states"]
+    _ok(_run(tmp_path, "model_parallel", "resume"))
+    assert all(rep["steps"] and rep["steps"][-1][0] == 2 for rep in _reports(tmp_path, "resume"))  # to the end
     # resume="auto" finds the newest complete sharded checkpoint by itself, skipping a newer one cut short
     torn = tmp_path / "autockpt" / "epoch=2-step=20.ckpt"
     torn.mkdir()

@@ -353,9 +353,13 @@ def _mixed_group(rank: int, world: int, init_file: str) -> dict:
                             world_size=world, timeout=datetime.timedelta(seconds=30))
     try:
         mean = _all_reduce(torch.tensor([float(rank + 1)]), None, "mean")  # gloo has no AVG: a sum, then / world
+        plain = dist.new_group(backend="gloo")
+        # gloo connects a new group's pairs in the background of `new_group`: a rank that returns and tears down
+        # first closes the socket its peer is still handshaking on ("connectFullMesh failed ... closed by peer").
+        dist.barrier(group=plain)
         return {"spec": dist.get_backend(), "cpu": C.backend_for(None, "cpu"), "cuda": C.backend_for(None, "cuda"),
                 "cuda0": C.backend_for(None, torch.device("cuda", 0)), "other": C.backend_for(None, "meta"),
-                "plain": C.backend_for(dist.new_group(backend="gloo"), "cuda"),
+                "plain": C.backend_for(plain, "cuda"),
                 "cpu_call_on_gloo": runs_on_gloo("all_reduce", (torch.ones(1),), {}), "mean": mean.item()}
     finally:
         dist.destroy_process_group()

@@ -33,7 +33,8 @@ class SyncModelParallelStrategy(SyncStrategyMixin, ModelParallelStrategy):
     step boundary and a clean teardown. Uneven training batches are an error at epoch start (as ``ddp_sync``'s default).
 
     Accepts every :class:`~lightning.pytorch.strategies.ModelParallelStrategy` argument, plus
-    ``seed``, ``guard``, ``guard_timeout``, ``exact_eval`` and ``resume``, as
+    ``seed``, ``guard``, ``guard_timeout``, ``exact_eval``, ``resume`` and ``world_size_invariant`` (over the
+    data-parallel ranks), as
     :class:`~lightning_sync.SyncDDPStrategy` documents them. Exact evaluation shards over the
     data-parallel ranks (``distributed_sampler_kwargs``), as Lightning's sampler does.
 
@@ -50,13 +51,15 @@ class SyncModelParallelStrategy(SyncStrategyMixin, ModelParallelStrategy):
                  tensor_parallel_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = _DEFAULT_TIMEOUT, *,
                  seed: int | None = None, guard: bool | CollectiveGuard = True, guard_timeout: float | None = None,
-                 exact_eval: bool = True, resume: str | None = None) -> None:
+                 exact_eval: bool = True, resume: str | None = None, world_size_invariant: bool = False) -> None:
         parts = default_parts(owner="SyncModelParallelStrategy", seed=seed, guard=guard, guard_timeout=guard_timeout,
-                              uneven_batches="error", resume=resume, exact_eval=exact_eval)
+                              uneven_batches="error", resume=resume, exact_eval=exact_eval,
+                              world_size_invariant=world_size_invariant)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.exact_eval = bool(exact_eval)
+        self.world_size_invariant = world_size_invariant
         self._init_parts(parts)
         if self.guard is not None:
             # FSDP2's own all-gathers and reduce-scatters are trusted (not checked): a collective on one rank

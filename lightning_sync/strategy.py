@@ -52,6 +52,12 @@ class SyncDDPStrategy(SyncStrategyMixin, DDPStrategy):
         resume: ``"auto"``: when ``fit`` gets no ``ckpt_path``, resume from the newest checkpoint of
             the run that loads completely (after an elastic restart or a requeue); a directory: search
             there. ``None`` (default): only ``ckpt_path``. See ``docs/resume.md``.
+        world_size_invariant: train, on any number of ranks, the model one process trains: the training
+            loader's ``batch_size`` is the *global* batch, each rank takes its slice of every global batch of
+            the one-process epoch (no padding; a resume on another world size continues at the same batch),
+            random numbers drawn in ``dataset[i]`` are keyed by (root seed, epoch, ``i``), ``nn.Dropout*``
+            masks are drawn for the global batch, and a step split unevenly is weighted by its samples.
+            ``False`` (default): Lightning's per-rank batches and streams. See ``docs/invariance.md``.
 
     After set-up, ``trainer.strategy.seed`` is the root seed, identical on every rank. Samplers use
     it (disjoint, complete shards), layers built in ``setup``/``configure_model`` are initialised under
@@ -66,14 +72,16 @@ class SyncDDPStrategy(SyncStrategyMixin, DDPStrategy):
     def __init__(self, *args: Any, seed: int | None = None, guard: bool | CollectiveGuard = True,
                  guard_timeout: float | None = None,
                  uneven_batches: Literal["error", "stop_together", "join"] = "error", resume: str | None = None,
-                 exact_eval: bool = True,
+                 exact_eval: bool = True, world_size_invariant: bool = False,
                  **kwargs: Any) -> None:
         # the parts first: a bad argument of ours fails before Lightning builds anything
         parts = default_parts(owner="SyncDDPStrategy", seed=seed, guard=guard, guard_timeout=guard_timeout,
-                              uneven_batches=uneven_batches, resume=resume, exact_eval=exact_eval)
+                              uneven_batches=uneven_batches, resume=resume, exact_eval=exact_eval,
+                              world_size_invariant=world_size_invariant)
         super().__init__(*args, **kwargs)
         self.uneven_batches = uneven_batches
         self.exact_eval = bool(exact_eval)
+        self.world_size_invariant = world_size_invariant
         self._init_parts(parts)
 
     # ------------------------------------------------------------------ DDP's own steps

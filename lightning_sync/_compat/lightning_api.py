@@ -55,6 +55,7 @@ __all__ = [
     "is_run_stage_barrier",
     "PADDED_SAMPLER_WARNING",
     "restore_warning",
+    "silence_not_resumable_warning",
     "silence_padded_sampler_warning",
     "raise_sigterm_exception",
     "remove_step_flag_broadcast",
@@ -501,6 +502,28 @@ def silence_padded_sampler_warning() -> Any:
     return warnings.filters[0]
 
 
+#: Lightning's warning at a mid-epoch resume with a training loader it has no state of
+#: (``_TrainingEpochLoop.reset``): untrue under ``world_size_invariant=True``, whose loader's position is in
+#: ddp_sync's checkpoint entry.
+NOT_RESUMABLE_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader"
+
+
+def silence_not_resumable_warning() -> Any:
+    """Filter out :data:`NOT_RESUMABLE_WARNING` (only that one); returns the filter for :func:`restore_warning`."""
+    import warnings
+
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+    warnings.filterwarnings("ignore", message=NOT_RESUMABLE_WARNING, category=PossibleUserWarning)
+    return warnings.filters[0]
+
+
+def _not_resumable_warning_fits() -> bool:
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    return NOT_RESUMABLE_WARNING in inspect.getsource(_TrainingEpochLoop.reset)
+
+
 def restore_warning(entry: Any) -> None:
     """Remove a filter :func:`silence_padded_sampler_warning` added (idempotent)."""
     import warnings
@@ -667,6 +690,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                _fit_impl_fits),
     TouchPoint("lightning.pytorch.trainer.connectors.data_connector._DataConnector._resolve_sampler (its warning "
                "text)", "exact evaluation silences Lightning's 'evaluated exactly once' warning", _padded_warning_fits),
+    TouchPoint("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop.reset (its warning text)",
+               "world_size_invariant's resumed loader silences Lightning's 'dataloader is not resumable' warning",
+               _not_resumable_warning_fits),
     TouchPoint("lightning.pytorch.strategies.DDPStrategy._get_process_group_backend",
                "NCCL flight recorder configured before the process group exists",
                lambda: callable(getattr(DDPStrategy(), "_get_process_group_backend", None))),

@@ -9,6 +9,7 @@ from lightning_sync.parts.checkpoint import CheckpointStatePart
 from lightning_sync.parts.data import ResumableDataPart
 from lightning_sync.parts.evaluation import ExactEvalPart
 from lightning_sync.parts.guard import GuardPart
+from lightning_sync.parts.invariant import WorldSizeInvariantPart
 from lightning_sync.parts.requeue import RequeuePart
 from lightning_sync.parts.seed import SeedLineagePart
 from lightning_sync.parts.teardown import TeardownPart
@@ -19,7 +20,7 @@ __all__ = ["default_parts"]
 
 def default_parts(*, owner: str, seed: int | None = None, guard: bool | CollectiveGuard = True,
                   guard_timeout: float | None = None, uneven_batches: str = "error", resume: str | None = None,
-                  exact_eval: bool = True) -> list[Part]:
+                  exact_eval: bool = True, world_size_invariant: bool = False) -> list[Part]:
     """Every part, configured from the strategy's arguments (``SyncDDPStrategy``'s, which documents them).
 
     Raises:
@@ -30,6 +31,8 @@ def default_parts(*, owner: str, seed: int | None = None, guard: bool | Collecti
         raise TypeError(f"{owner}(resume={resume!r}): use None, 'auto' or a directory path.")
     if uneven_batches not in UNEVEN_MODES:
         raise ValueError(f"{owner}(uneven_batches={uneven_batches!r}): use 'error', 'stop_together' or 'join'.")
+    if not isinstance(world_size_invariant, bool):
+        raise TypeError(f"{owner}(world_size_invariant={world_size_invariant!r}): use True or False.")
     parts: list[Part] = []
     if guard:
         chosen = guard if isinstance(guard, CollectiveGuard) else CollectiveGuard()
@@ -41,8 +44,13 @@ def default_parts(*, owner: str, seed: int | None = None, guard: bool | Collecti
         parts.append(ExactEvalPart())
     # CheckpointStatePart before ResumableDataPart: on load it puts each rank's saved state where that part
     # reads it; UnevenBatchPart after ResumableDataPart: it wraps the training loader that part made resumable
-    parts += [SeedLineagePart(seed), CheckpointStatePart(), ResumableDataPart(resume), UnevenBatchPart(uneven_batches),
-              RequeuePart(), TeardownPart()]
+    # WorldSizeInvariantPart after CheckpointStatePart (it adds to the entry that part writes) and before
+    # ResumableDataPart (it builds the training loader that part would otherwise make resumable)
+    parts += [SeedLineagePart(seed), CheckpointStatePart()]
+    if world_size_invariant:
+        parts.append(WorldSizeInvariantPart())
+    parts += [ResumableDataPart(resume), UnevenBatchPart(uneven_batches, planned=world_size_invariant), RequeuePart(),
+              TeardownPart()]
     return parts
 
 

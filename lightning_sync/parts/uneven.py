@@ -29,6 +29,7 @@ from torch import Tensor
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.torch_api import all_gather_single
 from lightning_sync.errors import UnevenTrainingError
+from lightning_sync.invariance import InvariantLoader
 from lightning_sync.joining import AgreeingLoader, StepShare, wrap_evaluation_loader, wrap_training_loader
 from lightning_sync.parts.base import Part
 
@@ -40,9 +41,11 @@ UNEVEN_MODES = ("error", "stop_together", "join")
 class UnevenBatchPart(Part):
     """Ranks with different numbers of training batches (``uneven_batches=``; see the module doc)."""
 
-    def __init__(self, uneven_batches: str) -> None:
+    def __init__(self, uneven_batches: str, planned: bool = False) -> None:
         self.uneven_batches = uneven_batches
-        self.loader: AgreeingLoader | None = None  # the training loader, where it is wrapped
+        # world_size_invariant=True: the training loader plans every step's shares itself (an InvariantLoader)
+        self.planned = planned
+        self.loader: AgreeingLoader | InvariantLoader | None = None  # the training loader, where it has shares
         self.current: StepShare | None = None  # the running batch's share (until the next batch or the epoch's end)
         self.in_step = 0  # inside a step (training_step, validation_step, test_step, backward): its collectives join
         self._saved: list[tuple[Any, dict[str, Any]]] | None = None  # metric states before a stand-in step
@@ -54,17 +57,18 @@ class UnevenBatchPart(Part):
         from lightning_sync.callbacks.resume import ResumeEpochLength
         from lightning_sync.strategy_checks import UnevenBatchCheck
 
-        steps = (_JoinedSteps(self),) if self.uneven_batches == "join" else ()
+        steps = (_JoinedSteps(self),) if self.uneven_batches == "join" or self.planned else ()
         return (UnevenBatchCheck(self.uneven_batches), ResumeEpochLength(), *steps)
 
     def setup(self, strategy: Any, trainer: Any) -> None:
-        if self.uneven_batches != "join" or strategy.world_size < 2:
+        if not (self.uneven_batches == "join" or self.planned) or strategy.world_size < 2:
             return
         native = [name for name, m in strategy.lightning_module.named_modules()
                   if isinstance(m, torch.nn.SyncBatchNorm)]
         if native:
             raise ValueError(
-                f"uneven_batches='join': the model has torch.nn.SyncBatchNorm layers ({', '.join(native[:5])}"
+                f"{'world_size_invariant=True' if self.planned else 'uneven_batches=' + repr('join')}: the model has "
+                f"torch.nn.SyncBatchNorm layers ({', '.join(native[:5])}"
                 f"{', ...' if len(native) > 5 else ''}), whose statistics would count a joined rank's stand-in "
                 "batch. Use lightning_sync's SyncBatchNorm, which gives a stand-in a count of zero: "
                 "Trainer(sync_batchnorm=True) with plain BatchNorm layers, or lightning_sync.convert_sync_batchnorm(model).")
@@ -73,6 +77,9 @@ class UnevenBatchPart(Part):
         if trainer is None or strategy.world_size < 2:
             return dataloader
         agree = (lambda record: self._agree(strategy, record))  # noqa: E731
+        if trainer.training and isinstance(dataloader, InvariantLoader):
+            self.loader = dataloader  # every rank knows every step's shares from the plan: no exchange
+            return dataloader
         if trainer.training:
             wrapped = wrap_training_loader(dataloader, self.uneven_batches, agree, strategy.global_rank,
                                            _compat.batch_size_of)
@@ -144,7 +151,7 @@ class UnevenBatchPart(Part):
         finally:
             self.in_step -= 1
 
-    def start_step(self, trainer: Any, module: Any, loader: AgreeingLoader | None) -> None:
+    def start_step(self, trainer: Any, module: Any, loader: AgreeingLoader | InvariantLoader | None) -> None:
         """A training or evaluation batch of ``loader`` starts: take its share; before a stand-in step, keep the
         metric states."""
         self.end_stand_in()
@@ -180,6 +187,11 @@ class _JoinedSteps(pl.Callback):
 
         loaders = _loaders(trainer)
         if trainer.world_size > 1 and len(loaders) > 1:  # the same on every rank: every rank raises
+            if self.part.planned:
+                raise ValueError(
+                    f"world_size_invariant=True takes one training loader; this fit has {len(loaders)} (a list or "
+                    "dict of loaders). Combine them into one loader (one dataset yielding the combined batch), or "
+                    "use world_size_invariant=False.")
             raise ValueError(
                 f"uneven_batches='join' takes one training loader; this fit has {len(loaders)} (a list or dict of "
                 "loaders). Combine them into one loader (one dataset yielding the combined batch), or use "

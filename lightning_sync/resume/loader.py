@@ -123,8 +123,10 @@ def make_resumable(dataloader: object, *, warn: bool = True) -> object:
     Lightning injects). Anything else (custom samplers, batch samplers, iterable data sets) is left
     as it is; Lightning then resumes it at the epoch, not at the batch.
     """
-    if not isinstance(dataloader, DataLoader) or not torchdata_available():
-        return dataloader
+    from lightning_sync.invariance import InvariantLoader
+
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader, InvariantLoader) or not torchdata_available():
+        return dataloader  # (world_size_invariant's loader resumes through its own plan)
     sampler = dataloader.sampler
     if (isinstance(dataloader.dataset, IterableDataset) or type(dataloader.batch_sampler) is not BatchSampler
             or type(sampler) not in (DistributedSampler, ResumableDistributedSampler)

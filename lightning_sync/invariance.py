@@ -1,0 +1,347 @@
+"""World-size invariance: N ranks train the model one process trains, within float rounding.
+
+Under ``SyncDDPStrategy(world_size_invariant=True)`` the training ``DataLoader`` describes the
+one-process run (its ``batch_size`` is the *global* batch ``G``) and every step of N ranks is that
+run's step, split:
+
+* **the data plan** (:class:`GlobalBatchSampler`): the epoch's order is the one-process order
+  (``randperm`` of ``seed + epoch``, or ``range``); step ``s`` is positions ``s*G .. s*G+G-1`` of it
+  (the last one shorter, or dropped with ``drop_last``); rank ``r`` takes a contiguous slice of
+  ``shard_sizes(len, N)[r]`` rows. No padding, no sample twice, the same steps on any N, and a
+  resume on another N continues at the same global batch. A step whose last global batch has fewer
+  samples than ranks gives the ranks without one a *stand-in* (their previous slice, counted zero).
+* **the gradient**: DDP averages over ranks; a rank's loss is scaled by ``N * n_r / sum(n)`` in a step
+  whose slices differ in size (:class:`~lightning_sync.joining.StepShare`), so the result is the mean
+  over the global batch, as one process computes it.
+* **per-sample randomness** (:class:`KeyedSampleDataset`): torch's, numpy's and ``random``'s global
+  generators are seeded from ``(root seed, epoch, sample index)`` before each ``dataset[i]``, in the main
+  process (its own streams put back afterwards) or in any worker: an augmentation drawn in
+  ``__getitem__`` is the same whichever rank or worker loads the sample.
+* **dropout** (:func:`make_dropout_invariant`): an ``nn.Dropout``/``Dropout1d/2d/3d`` layer in training
+  draws the mask of the whole global batch from a generator keyed by ``(root, epoch, step, layer, call)``
+  and applies this rank's rows of it: the mask a sample gets does not depend on N. Cost: the mask of
+  ``G`` rows is drawn on every rank (``N`` times the draws of per-rank dropout).
+
+What stays per rank: random numbers a ``training_step`` draws itself (``torch.rand``...), a ``collate_fn``'s
+batch-level randomness (it sees the rank's slice), dropout inside ``F.dropout`` calls of the user's own or
+attention's ``dropout_p``. See ``docs/invariance.md``.
+
+This module knows nothing of Lightning (the part in ``lightning_sync.parts.invariant`` wires it in).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_sync.joining import StepShare
+from lightning_sync.sampling import EpochOrder, shard_sizes, shuffle_order
+from lightning_sync.seeding import _collect_rng_state, _restore_rng_state, derive_seed, seed_everything_local
+
+__all__ = ["DropoutStep", "GlobalBatchSampler", "InvariantLoader", "KeyedSampleDataset", "SampleKey",
+           "dropout_step", "global_steps", "make_dropout_invariant"]
+
+
+def global_steps(num_samples: int, batch_size: int, drop_last: bool) -> int:
+    """Steps of one epoch of ``num_samples`` in global batches of ``batch_size``."""
+    return num_samples // batch_size if drop_last else math.ceil(num_samples / batch_size)
+
+
+class SampleKey(NamedTuple):
+    """What :class:`GlobalBatchSampler` yields for a sample: its index and the epoch (the randomness key)."""
+
+    epoch: int
+    sample: int  # the data set index
+
+
+class GlobalBatchSampler:
+    """A batch sampler: this rank's slice of each global batch of the one-process epoch (see the module doc).
+
+    Args:
+        num_samples: the data set's length.
+        batch_size: the global batch ``G``.
+        world_size, rank: the data-parallel ranks and this one.
+        shuffle, seed: the one-process order: ``randperm`` seeded with ``seed + epoch``, or ``range``.
+        drop_last: drop the epoch's last, partial global batch.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, world_size: int, rank: int, shuffle: bool, seed: int,
+                 drop_last: bool) -> None:
+        if batch_size < world_size:
+            raise ValueError(
+                f"world_size_invariant=True: the training DataLoader's batch_size is the global batch (what one "
+                f"process trains on per step), and {batch_size} cannot be split over {world_size} ranks. Use a "
+                f"batch_size of at least {world_size}.")
+        steps = global_steps(num_samples, batch_size, drop_last)
+        last = num_samples - (steps - 1) * batch_size if steps else 0
+        if steps == 1 and last < world_size:
+            raise ValueError(
+                f"world_size_invariant=True: the training set has {num_samples} samples, fewer than the "
+                f"{world_size} ranks: some rank would have no sample at all. Train on fewer ranks.")
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.world_size, self.rank = world_size, rank
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.order = shuffle_order(num_samples)
+        self.epoch = 0
+        self._skip = 0  # global batches of `epoch` already trained (a resumed epoch)
+        self._cached: tuple[int, EpochOrder] | None = None
+
+    # Lightning sets the epoch on ``loader.batch_sampler.sampler``: that is this object.
+    @property
+    def sampler(self) -> GlobalBatchSampler:
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._skip = 0
+        self.epoch = epoch
+
+    def resume_at(self, epoch: int, batches: int) -> None:
+        """Continue ``epoch`` after its first ``batches`` global batches (the next epoch if it was complete)."""
+        if batches >= len(self):
+            epoch, batches = epoch + 1, 0
+        self.epoch, self._skip = epoch, batches
+
+    def __len__(self) -> int:
+        return global_steps(self.num_samples, self.batch_size, self.drop_last)
+
+    def sizes(self, step: int) -> tuple[int, ...]:
+        """Every rank's real row count in ``step`` (0: a stand-in step on that rank)."""
+        rows = min(self.batch_size, self.num_samples - step * self.batch_size)
+        return tuple(shard_sizes(rows, self.world_size))
+
+    def share(self, step: int) -> StepShare:
+        sizes = self.sizes(step)
+        done = tuple(None if n else step for n in sizes)  # a rank without rows "ran out" after `step` batches
+        return StepShare(self.rank, step, sizes, done)
+
+    def _epoch_order(self) -> EpochOrder:
+        if self._cached is None or self._cached[0] != self.epoch:
+            self._cached = (self.epoch, EpochOrder.of(self.num_samples, self.shuffle, self.seed + self.epoch,
+                                                      self.order))
+        return self._cached[1]
+
+    def rows(self, step: int) -> list[SampleKey]:
+        """This rank's samples in ``step`` (its previous step's again where it has none: a stand-in)."""
+        sizes = self.sizes(step)
+        if sizes[self.rank] == 0:
+            step, sizes = step - 1, self.sizes(step - 1)
+        first = step * self.batch_size + sum(sizes[:self.rank])
+        epoch = self.epoch
+        return [SampleKey(epoch, int(i)) for i in self._epoch_order().take(first, first + sizes[self.rank])]
+
+    @property
+    def first_step(self) -> int:
+        """The step the next ``__iter__`` starts at."""
+        return self._skip
+
+    def __iter__(self) -> Iterator[list[SampleKey]]:
+        skip, self._skip = self._skip, 0
+        for step in range(skip, len(self)):
+            yield self.rows(step)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps to check the resumed plan is this one (the position is Lightning's)."""
+        return {"num_samples": self.num_samples, "batch_size": self.batch_size, "shuffle": self.shuffle,
+                "seed": self.seed, "drop_last": self.drop_last, "order": self.order}
+
+
+class InvariantLoader(DataLoader):  # type: ignore[type-arg]
+    """A ``DataLoader`` over a :class:`GlobalBatchSampler` that queues each yielded batch's
+    :class:`~lightning_sync.joining.StepShare` in ``shares`` (the loss scale and stand-in of its step, read by
+    ``lightning_sync.parts.uneven`` when the step starts: Lightning fetches a batch ahead)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shares: collections.deque[StepShare | None] = collections.deque()
+
+    @property
+    def plan(self) -> GlobalBatchSampler:
+        sampler = self.batch_sampler
+        assert isinstance(sampler, GlobalBatchSampler)
+        return sampler
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        plan = self.plan
+        self.shares.clear()
+        step = plan.first_step
+        for batch in super().__iter__():
+            share = plan.share(step)
+            self.shares.append(share if share.joined or len(set(share.sizes)) > 1 else None)
+            step += 1
+            yield batch
+
+
+class KeyedSampleDataset(Dataset[Any]):
+    """Wraps a map-style data set: ``dataset[SampleKey(epoch, i)]`` is ``dataset[i]`` drawn with torch's, numpy's
+    and ``random``'s global generators seeded from ``(root, "sample", epoch, i)``.
+
+    In the main process the generators' own states are put back after each sample (the training step's
+    streams do not move); in a worker they are left seeded (the worker draws nothing else). ``root`` is a
+    seed or an object with a ``root`` attribute read at each sample (a resumed run adopts its checkpoint's).
+    """
+
+    def __init__(self, dataset: Dataset[Any], root: Any) -> None:
+        self.dataset = dataset
+        self._root = root
+
+    @property
+    def root(self) -> int:
+        return int(getattr(self._root, "root", self._root))
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: Any) -> Any:
+        if not isinstance(key, SampleKey):
+            return self.dataset[key]
+        seed = derive_seed(self.root, "sample", key.epoch, key.sample)
+        if torch.utils.data.get_worker_info() is not None:
+            seed_everything_local(seed)
+            return self.dataset[key.sample]
+        saved = _collect_rng_state()
+        try:
+            seed_everything_local(seed)
+            return self.dataset[key.sample]
+        finally:
+            _restore_rng_state(saved)
+
+    def __getattr__(self, name: str) -> Any:
+        # the wrapped data set's own attributes (not dunders: ``__getitems__`` would bypass the keys)
+        if name.startswith("__") or name in ("dataset", "_root"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+@dataclass
+class DropoutStep:
+    """The running training step, as the invariant dropout layers key their masks.
+
+    Attributes:
+        root: the root seed.
+        epoch, step: the global batch.
+        rows: the global batch's row count.
+        offset, local: this rank's first row in it and its row count (0: a stand-in step).
+    """
+
+    root: int
+    epoch: int
+    step: int
+    rows: int
+    offset: int
+    local: int
+    calls: collections.Counter[str] = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.calls is None:
+            self.calls = collections.Counter()
+
+
+_STEP: contextvars.ContextVar[DropoutStep | None] = contextvars.ContextVar("lightning_sync_dropout_step",
+                                                                           default=None)
+
+
+def set_dropout_step(step: DropoutStep | None) -> None:
+    """Make ``step`` the running training step of this thread (None: none runs)."""
+    _STEP.set(step)
+
+
+@contextlib.contextmanager
+def dropout_step(step: DropoutStep) -> Iterator[DropoutStep]:
+    """Run the block as ``step`` (tests, and a user's own loop)."""
+    token = _STEP.set(step)
+    try:
+        yield step
+    finally:
+        _STEP.reset(token)
+
+
+class _InvariantDropout:
+    """Mixed into a converted dropout layer's class (``make_dropout_invariant``)."""
+
+    _lsync_name: str
+    _lsync_channels: bool
+    _lsync_generators: dict[torch.device, torch.Generator]
+    p: float
+    inplace: bool
+    training: bool
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 - torch's name
+        step = _STEP.get()
+        if not self.training or self.p == 0.0 or step is None or step.local == 0:
+            return super().forward(input)  # type: ignore[misc, no-any-return]
+        if input.dim() == 0 or input.shape[0] != step.local:
+            raise RuntimeError(
+                f"world_size_invariant=True: dropout layer {self._lsync_name!r} got an input of shape "
+                f"{tuple(input.shape)} whose first dimension is not this rank's batch of {step.local} rows, so its "
+                "mask cannot be taken from the global batch's. Put the batch first (batch_first=True), or mark the layer "
+                f"`{self._lsync_name or 'layer'}.world_size_invariant = False` before fit to keep its per-rank dropout "
+                "(its masks then depend on the number of ranks).")
+        calls = step.calls
+        call = calls[self._lsync_name]
+        calls[self._lsync_name] = call + 1
+        generator = self._lsync_generators.get(input.device)
+        if generator is None:
+            generator = self._lsync_generators[input.device] = torch.Generator(device=input.device)
+        generator.manual_seed(derive_seed(step.root, "dropout", step.epoch, step.step, self._lsync_name, call))
+        if self._lsync_channels:  # Dropout1d/2d/3d: one draw per (sample, channel)
+            shape = (step.rows, input.shape[1], *([1] * (input.dim() - 2)))
+        else:
+            shape = (step.rows, *input.shape[1:])
+        draws = torch.rand(shape, generator=generator, device=input.device)[step.offset:step.offset + step.local]
+        if self.p == 1.0:
+            mask = torch.zeros_like(draws, dtype=input.dtype)
+        else:
+            mask = (draws >= self.p).to(input.dtype).div_(1.0 - self.p)
+        return input.mul_(mask) if self.inplace else input * mask
+
+
+_CONVERTED: dict[type, type] = {}
+_PLAIN = (nn.Dropout,)
+_CHANNELS = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+
+def _invariant_class(cls: type) -> type:
+    converted = _CONVERTED.get(cls)
+    if converted is None:
+        converted = _CONVERTED[cls] = type(f"WorldSizeInvariant{cls.__name__}", (_InvariantDropout, cls), {
+            "__module__": __name__, "__doc__": f"``{cls.__name__}`` whose masks do not depend on the number of ranks."})
+    return converted
+
+
+def make_dropout_invariant(module: nn.Module) -> tuple[list[str], list[str]]:
+    """Convert ``module``'s ``nn.Dropout`` and ``nn.Dropout1d/2d/3d`` layers in place (their class; weights,
+    hooks and ``isinstance`` checks unchanged). Returns ``(converted, left)``: layer names converted, and those
+    whose dropout stays per rank (``AlphaDropout``, attention's ``dropout``, a layer marked
+    ``layer.world_size_invariant = False``). Idempotent."""
+    converted: list[str] = []
+    left: list[str] = []
+    for name, layer in module.named_modules():
+        if isinstance(layer, _InvariantDropout):
+            converted.append(name)
+        elif getattr(layer, "world_size_invariant", True) is False:
+            left.append(f"{name} (marked world_size_invariant = False)")
+        elif type(layer) in _PLAIN or type(layer) in _CHANNELS:
+            channels = type(layer) in _CHANNELS
+            layer.__class__ = _invariant_class(type(layer))
+            layer._lsync_name = name
+            layer._lsync_channels = channels
+            layer._lsync_generators = {}
+            converted.append(name)
+        elif isinstance(layer, (nn.AlphaDropout, nn.FeatureAlphaDropout)) and layer.p > 0:
+            left.append(name)
+        elif isinstance(layer, nn.MultiheadAttention) and layer.dropout > 0:
+            left.append(f"{name} (attention dropout)")
+    return converted, left

@@ -1,0 +1,230 @@
+"""World-size invariance (issue 41): N ranks train the one-process model under ``world_size_invariant=True``.
+
+Fast tier: the plan (every rank's slices of each global batch make the one-process batch), per-sample keyed
+randomness, the global batch's dropout masks, the loader checks (no Trainer). Slow tier: launches of
+tests/scripts/fit_invariant.py (BatchNorm with sync_batchnorm=True, augmentation in __getitem__, momentum SGD,
+1001 shuffled samples, global batch 24, 2 epochs) on 1, 2 and 3 ranks with 0 and 2 workers and dropout 0.3:
+final weights within 1e-5 relative, validation accuracy and global_step equal; Lightning's ``ddp`` beside it as
+the control (it differs); a resume on another world size continues the same global batches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler
+
+from lightning_sync.invariance import (DropoutStep, GlobalBatchSampler, KeyedSampleDataset, SampleKey, dropout_step,
+                                       make_dropout_invariant)
+from lightning_sync.parts.invariant import invariant_loader
+from tests.launch import launch_script
+
+SCRIPT = Path(__file__).parent / "scripts" / "fit_invariant.py"
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def _positions(sampler: GlobalBatchSampler) -> list[list[int]]:
+    return [[key.sample for key in rows] for rows in sampler]
+
+
+@pytest.mark.parametrize(("n", "batch", "drop_last"), [(1001, 24, False), (1001, 24, True), (962, 24, False),
+                                                       (50, 7, False)])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_every_ranks_slices_of_a_step_make_the_one_process_batch(n: int, batch: int, drop_last: bool,
+                                                                 shuffle: bool) -> None:
+    one = _positions(GlobalBatchSampler(n, batch, 1, 0, shuffle, seed=7, drop_last=drop_last))
+    assert sum(map(len, one)) == (n // batch * batch if drop_last else n)
+    for world in (2, 3, 5):
+        ranks = [GlobalBatchSampler(n, batch, world, r, shuffle, seed=7, drop_last=drop_last) for r in range(world)]
+        per_rank = [_positions(s) for s in ranks]
+        assert {len(p) for p in per_rank} == {len(one)}  # the same number of steps on every rank and any N
+        for step, expected in enumerate(one):
+            sizes = ranks[0].sizes(step)
+            real = [per_rank[r][step] for r in range(world) if sizes[r]]
+            assert [i for rows in real for i in rows] == expected  # in order, no padding, nothing twice
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_a_last_global_batch_smaller_than_the_world_gives_stand_ins_weighted_zero() -> None:
+    # 962 = 40 * 24 + 2: the last step has 2 samples for 3 ranks
+    plans = [GlobalBatchSampler(962, 24, 3, r, True, seed=1, drop_last=False) for r in range(3)]
+    last = len(plans[0]) - 1
+    assert plans[0].sizes(last) == (1, 1, 0)
+    stand_in = plans[2].share(last)
+    assert stand_in.shadow and stand_in.loss_scale == 0.0
+    assert plans[2].rows(last) == plans[2].rows(last - 1)  # its previous slice again
+    assert plans[0].share(last).loss_scale == pytest.approx(3 * 1 / 2)
+    assert plans[0].share(0).loss_scale == 1.0
+
+
+def test_the_plan_refuses_what_cannot_be_split() -> None:
+    with pytest.raises(ValueError, match="batch_size of at least 4"):
+        GlobalBatchSampler(100, 3, 4, 0, True, seed=0, drop_last=False)
+    with pytest.raises(ValueError, match="fewer than the 3 ranks"):
+        GlobalBatchSampler(2, 8, 3, 0, True, seed=0, drop_last=False)
+
+
+def test_a_resumed_plan_continues_at_the_same_global_batch_on_any_world_size() -> None:
+    one = _positions(GlobalBatchSampler(1001, 24, 1, 0, True, seed=3, drop_last=False))
+    for world in (1, 2, 3):
+        ranks = [GlobalBatchSampler(1001, 24, world, r, True, seed=3, drop_last=False) for r in range(world)]
+        for s in ranks:
+            s.resume_at(epoch=0, batches=30)
+        per_rank = [_positions(s) for s in ranks]
+        assert [sorted(i for p in per_rank for i in p[k]) for k in range(len(per_rank[0]))] == \
+            [sorted(b) for b in one[30:]]
+    done = GlobalBatchSampler(1001, 24, 2, 0, True, seed=3, drop_last=False)
+    done.resume_at(epoch=0, batches=42)  # the epoch was complete: the next one, from its start
+    assert (done.epoch, done.first_step) == (1, 0)
+
+
+# ---------------------------------------------------------------- per-sample randomness
+
+
+class _Noise(Dataset):
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> tuple[float, float, float]:
+        import random
+
+        import numpy as np
+
+        return float(torch.rand(())), float(np.random.rand()), random.random()
+
+
+def test_a_samples_random_numbers_depend_on_root_epoch_and_index_only() -> None:
+    data = KeyedSampleDataset(_Noise(), root=11)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    first = data[SampleKey(0, 3)]
+    assert torch.equal(torch.get_rng_state(), before)  # the main process's streams did not move
+    torch.manual_seed(123)  # whatever the process drew before
+    assert data[SampleKey(0, 3)] == first
+    assert data[SampleKey(1, 3)] != first and data[SampleKey(0, 4)] != first
+    assert KeyedSampleDataset(_Noise(), root=12)[SampleKey(0, 3)] != first
+    in_worker = list(DataLoader(data, batch_size=None, sampler=[SampleKey(0, 3)], num_workers=1))
+    assert tuple(in_worker[0]) == first  # the same in a worker process
+
+
+# ---------------------------------------------------------------- dropout
+
+
+def _mask(layer: nn.Module, step: DropoutStep, rows: int, shape: tuple[int, ...]) -> torch.Tensor:
+    with dropout_step(step):
+        return layer(torch.ones(rows, *shape))
+
+
+@pytest.mark.parametrize(("kind", "shape"), [(nn.Dropout, (5,)), (nn.Dropout, (3, 4)), (nn.Dropout2d, (4, 3, 3)),
+                                             (nn.Dropout1d, (4, 6))])
+def test_the_dropout_mask_of_a_sample_does_not_depend_on_the_world_size(kind: type, shape: tuple[int, ...]) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), kind(0.3))
+    converted, left = make_dropout_invariant(model)
+    assert converted == ["1"] and left == [] and isinstance(model[1], kind)
+    layer = model[1]
+    whole = _mask(layer, DropoutStep(root=5, epoch=0, step=3, rows=10, offset=0, local=10), 10, shape)
+    assert 0 < int((whole == 0).sum()) < whole.numel()
+    for sizes in ((5, 5), (4, 3, 3)):
+        parts = [_mask(layer, DropoutStep(root=5, epoch=0, step=3, rows=10, offset=sum(sizes[:r]), local=n), n, shape)
+                 for r, n in enumerate(sizes)]
+        assert torch.equal(torch.cat(parts), whole)
+    if kind is not nn.Dropout:  # one draw per (sample, channel)
+        flat = whole.flatten(2)
+        assert torch.equal(flat.amin(-1), flat.amax(-1))
+    other = _mask(layer, DropoutStep(root=5, epoch=0, step=4, rows=10, offset=0, local=10), 10, shape)
+    assert not torch.equal(other, whole)
+    layer.eval()
+    assert torch.equal(_mask(layer, DropoutStep(5, 0, 3, 10, 0, 10), 10, shape), torch.ones(10, *shape))
+
+
+def test_a_dropout_input_without_the_batch_first_is_refused_and_layers_can_opt_out() -> None:
+    model = nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5), nn.AlphaDropout(0.2))
+    model[1].world_size_invariant = False
+    converted, left = make_dropout_invariant(model)
+    assert converted == ["0"] and left == ["1 (marked world_size_invariant = False)", "2"]
+    with dropout_step(DropoutStep(root=0, epoch=0, step=0, rows=8, offset=0, local=4)), \
+            pytest.raises(RuntimeError, match=r"dropout layer '0' got an input of shape \(7, 4\).*batch_first"):
+        model[0](torch.ones(7, 4))
+
+
+# ---------------------------------------------------------------- the loader checks
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        yield from range(4)
+
+
+def test_loaders_whose_one_process_order_is_unknown_are_refused() -> None:
+    data = list(range(20))
+    with pytest.raises(ValueError, match="map-style training set"):
+        invariant_loader(DataLoader(_Stream(), batch_size=2), 2, 0, 0, 0)
+    with pytest.raises(ValueError, match="WeightedRandomSampler, a sampler of your own"):
+        invariant_loader(DataLoader(data, batch_size=4, sampler=WeightedRandomSampler([1.0] * 20, 20)), 2, 0, 0, 0)
+    with pytest.raises(ValueError, match="batch sampler of its own"):
+        invariant_loader(DataLoader(data, batch_sampler=[[0, 1], [2, 3]]), 2, 0, 0, 0)
+    loader = invariant_loader(DataLoader(data, batch_size=6, shuffle=False), 2, 1, 0, 0)
+    assert [b.tolist() for b in loader] == [[3, 4, 5], [9, 10, 11], [15, 16, 17], [19]]
+    assert len(loader) == 4
+
+
+# ---------------------------------------------------------------- real fits
+
+
+def _fit(tmp_path: Path, tag: str, *args: str) -> dict:
+    out = tmp_path / tag
+    launch_script(SCRIPT, out, *args, timeout=240)
+    return torch.load(out / "rank0.pt")
+
+
+def _relative_gap(a: dict, b: dict) -> float:
+    floats = [k for k, v in a["weights"].items() if v.is_floating_point()]
+    gap = max(float((a["weights"][k] - b["weights"][k]).abs().max()) for k in floats)
+    return gap / max(float(a["weights"][k].abs().max()) for k in floats)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_and_three_ranks_train_the_one_process_model(tmp_path: Path) -> None:
+    one = _fit(tmp_path, "one", "--devices", "1")
+    two = _fit(tmp_path, "two", "--devices", "2")
+    three = _fit(tmp_path, "three", "--devices", "3")
+    for run in (two, three):
+        assert _relative_gap(one, run) < 1e-5
+        assert run["val_acc"] == one["val_acc"] and run["global_step"] == one["global_step"] == 84
+    # Lightning's ddp on the same module, per-rank batch 24 // N: the control
+    ddp_one = _fit(tmp_path, "ddp_one", "--devices", "1", "--strategy", "ddp")
+    ddp_two = _fit(tmp_path, "ddp_two", "--devices", "2", "--strategy", "ddp")
+    assert _relative_gap(ddp_one, ddp_two) > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dropout_workers_and_stand_ins_keep_the_one_process_model(tmp_path: Path) -> None:
+    one = _fit(tmp_path, "one", "--devices", "1", "--dropout", "0.3")
+    two = _fit(tmp_path, "two_w2", "--devices", "2", "--dropout", "0.3", "--workers", "2")
+    assert _relative_gap(one, two) < 1e-5 and two["val_acc"] == one["val_acc"]
+    # 962 samples: the last global batch has 2 samples for 3 ranks (rank 2 runs a stand-in step)
+    short_one = _fit(tmp_path, "short_one", "--devices", "1", "--dropout", "0.3", "--samples", "962")
+    short_three = _fit(tmp_path, "short_three", "--devices", "3", "--dropout", "0.3", "--samples", "962",
+                       "--workers", "2")
+    assert _relative_gap(short_one, short_three) < 1e-5 and short_three["val_acc"] == short_one["val_acc"]
+    assert short_three["global_step"] == short_one["global_step"] == 82
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_resume_on_another_world_size_continues_the_same_global_batches(tmp_path: Path) -> None:
+    one = _fit(tmp_path, "one", "--devices", "1", "--dropout", "0.3")
+    launch_script(SCRIPT, tmp_path / "stopped", "--devices", "2", "--dropout", "0.3", "--stop-after", "30",
+                  timeout=240)
+    ckpt = tmp_path / "stopped" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=False)["lightning_sync"]["world_size_invariant"]["batches"] == 30
+    three = _fit(tmp_path, "three", "--devices", "3", "--dropout", "0.3", "--resume", str(ckpt))
+    assert _relative_gap(one, three) < 1e-5 and three["val_acc"] == one["val_acc"]
+    assert three["global_step"] == 84

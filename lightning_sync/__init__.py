@@ -10,7 +10,7 @@ builds ``lightning_sync.pl``.
 
 from lightning.pytorch.strategies import StrategyRegistry as _strategy_registry
 
-from lightning_sync import collectives
+from lightning_sync import collectives, testing
 from lightning_sync.batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_sync.callbacks import (
     ParameterConsistencyCheck,
@@ -64,4 +64,5 @@ __all__ = [
     "convert_sync_batchnorm",
     "derive_seed",
     "revert_sync_batchnorm",
+    "testing",
 ]

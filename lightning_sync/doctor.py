@@ -834,8 +834,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point (``lsync-doctor``); returns the exit code (0 healthy, 1 problems found)."""
+    """Console entry point (``lsync-doctor``); returns the exit code (0 healthy, 1 problems found).
+    ``lsync-doctor invariance ...`` runs :func:`lightning_sync.testing.main` (the world-size invariance check)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["invariance"]:  # lsync-doctor invariance MODULE:MODEL MODULE:TRAIN [MODULE:VAL] ...
+        from lightning_sync.testing import main as invariance_main
+
+        return invariance_main(argv[1:])
     args = _parser().parse_args(argv)
     for name in ("devices", "num_nodes"):
         value = getattr(args, name)

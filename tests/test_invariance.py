@@ -164,7 +164,7 @@ def test_loaders_whose_one_process_order_is_unknown_are_refused() -> None:
     data = list(range(20))
     with pytest.raises(ValueError, match="map-style training set"):
         invariant_loader(DataLoader(_Stream(), batch_size=2), 2, 0, 0, 0)
-    with pytest.raises(ValueError, match="WeightedRandomSampler, a sampler of your own"):
+    with pytest.raises(ValueError, match="sampler is WeightedRandomSampler, a sampler of your own"):
         invariant_loader(DataLoader(data, batch_size=4, sampler=WeightedRandomSampler([1.0] * 20, 20)), 2, 0, 0, 0)
     with pytest.raises(ValueError, match="batch sampler of its own"):
         invariant_loader(DataLoader(data, batch_sampler=[[0, 1], [2, 3]]), 2, 0, 0, 0)
@@ -228,3 +228,78 @@ def test_a_resume_on_another_world_size_continues_the_same_global_batches(tmp_pa
     three = _fit(tmp_path, "three", "--devices", "3", "--dropout", "0.3", "--resume", str(ckpt))
     assert _relative_gap(one, three) < 1e-5 and three["val_acc"] == one["val_acc"]
     assert three["global_step"] == 84
+
+
+# ---------------------------------------------------------------- the checker
+
+
+CASES = "tests.invariance_cases"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_checker_passes_an_invariant_module_with_validation(tmp_path: Path) -> None:
+    from lightning_sync.testing import assert_world_size_invariant
+
+    report = assert_world_size_invariant(f"{CASES}:good", f"{CASES}:train_loader", f"{CASES}:val_loader",
+                                         world_sizes=(1, 2), max_steps=8, sync_batchnorm=True)
+    assert report.ok and report.causes == [] and set(report.gaps[2]) == {"loss", "grad_norm", "weights", "metrics"}
+    assert max(report.gaps[2].values()) < 1e-5 and str(report).startswith("world-size invariance: OK (1 rank vs 2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("model", "data", "kwargs", "first", "cause"), [
+    ("good", "train_loader", {}, "step 0 (epoch 0, batch 0): the global batch's loss",
+     "BatchNorm layers without synchronised statistics (net.1)"),
+    ("own_noise", "train_loader", {"sync_batchnorm": True}, "step 0",
+     "drew from the global random generators (torch/numpy/random) at step(s) 0, 1"),
+    ("summed_loss", "train_loader", {"sync_batchnorm": True}, "on 1 rank, 3.",
+     "the loss is summed over the batch"),
+    ("log_unsynced", "train_loader", {"sync_batchnorm": True}, "logged metric 'train_loss'",
+     "metric 'train_loss' differs across the 2 ranks (rank 0: "),
+    ("good", "weighted_loader", {"sync_batchnorm": True}, "a run did not complete",
+     "the 1-rank run (rank 0) and the 2-rank run (rank 0) stopped: ValueError: world_size_invariant=True: the "
+     "training loader's sampler is a sampler of your own (Lightning wrapped it in DistributedSamplerWrapper)"),
+])
+def test_the_checker_names_each_broken_variants_cause(model: str, data: str, kwargs: dict, first: str,
+                                                      cause: str) -> None:
+    from lightning_sync.testing import assert_world_size_invariant, check_world_size_invariance
+
+    report = check_world_size_invariance(f"{CASES}:{model}", f"{CASES}:{data}", world_sizes=(1, 2), max_steps=6,
+                                         **kwargs)
+    assert not report.ok
+    assert first in (report.first_difference or ""), report
+    assert len(report.causes) == 1 and cause in report.causes[0], report
+    assert "Fix:" in report.causes[0] or "Use shuffle=True" in report.causes[0]
+    text = str(report)
+    assert text.startswith("world-size invariance: FAILED (1 rank vs 2 ranks)") and cause in text
+    if model == "summed_loss":  # the pytest assertion carries the same text
+        with pytest.raises(AssertionError, match="the loss is summed over the batch"):
+            assert_world_size_invariant(f"{CASES}:{model}", f"{CASES}:{data}", world_sizes=(1, 2), max_steps=2,
+                                        **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lsync_doctor_invariance_prints_the_report_and_exits_nonzero_on_a_difference(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "lightning_sync.doctor", "invariance", f"{CASES}:good",
+                           f"{CASES}:train_loader", "--world-sizes", "1,2", "--max-steps", "4"],
+                          capture_output=True, text=True, timeout=280, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "world-size invariance: FAILED (1 rank vs 2 ranks)" in proc.stdout
+    assert "Trainer(sync_batchnorm=True)" in proc.stdout
+
+
+def test_the_checker_refuses_factories_new_processes_cannot_import() -> None:
+    from lightning_sync.testing import check_world_size_invariance
+
+    with pytest.raises(ValueError, match="not an importable function"):
+        check_world_size_invariance(lambda: None, f"{CASES}:train_loader")
+    with pytest.raises(ValueError, match="give two or more sizes"):
+        check_world_size_invariance(f"{CASES}:good", f"{CASES}:train_loader", world_sizes=(2,))
+    with pytest.raises(ValueError, match="use 'module:function'"):
+        check_world_size_invariance("good", f"{CASES}:train_loader")

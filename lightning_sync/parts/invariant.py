@@ -134,9 +134,11 @@ def _shuffle_of(dataloader: DataLoader) -> bool:  # type: ignore[type-arg]
         return False
     if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(sampler.data_source):
         return True
+    what = ("a sampler of your own (Lightning wrapped it in DistributedSamplerWrapper)"
+            if type(sampler).__name__ == "DistributedSamplerWrapper" else
+            f"{type(sampler).__name__}, a sampler of your own (or one drawing with replacement)")
     raise ValueError(
-        f"world_size_invariant=True: the training loader's sampler is {type(sampler).__name__}, a sampler of your "
-        "own (or one drawing with replacement): its order decides which samples form a batch, and N ranks cannot "
+        f"world_size_invariant=True: the training loader's sampler is {what}: its order decides which samples form a batch, and N ranks cannot "
         "reproduce it. Use shuffle=True or shuffle=False on the DataLoader (the order then is torch's randperm of "
         "the root seed + epoch, the same on any number of ranks), or world_size_invariant=False.")
 

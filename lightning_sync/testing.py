@@ -1,0 +1,442 @@
+"""Check that your own LightningModule trains the same model on N ranks as on one.
+
+:func:`check_world_size_invariance` trains the module on each world size in real processes under
+``SyncDDPStrategy(world_size_invariant=True)`` (Lightning's launcher, gloo on CPU by default), records every
+step's global-batch loss and gradient norm, the final weights and every rank's logged metrics, and compares each
+world size with the first. The report names the first step and quantity that differ and the likely cause in
+your code, with the fix; it never changes your code (no layer converted that you did not ask for)::
+
+    from lightning_sync.testing import assert_world_size_invariant
+
+    def test_my_model_is_world_size_invariant():
+        assert_world_size_invariant("my_project.model:build", "my_project.data:train_loader", world_sizes=(1, 2))
+
+Factories are importable callables (a function, or ``"module:name"``; a script's own functions work too): the
+model factory returns the LightningModule, the data factories the *one-process* DataLoaders (``batch_size`` is
+the global batch; each rank takes its slice). Also a command: ``lsync-doctor invariance MODULE:MODEL
+MODULE:TRAIN [MODULE:VAL] [--world-sizes 1,2] [--max-steps 20]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import importlib.util
+import math
+import os
+import pickle
+import random
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["InvarianceReport", "assert_world_size_invariant", "check_world_size_invariance", "main"]
+
+Factory = Callable[[], Any] | str
+
+
+@dataclass
+class InvarianceReport:
+    """What :func:`check_world_size_invariance` found.
+
+    Attributes:
+        ok: every world size matched the first within ``rtol`` (losses, gradient norms, weights, metrics).
+        causes: the likely causes of a difference, each with its fix (empty when ``ok``).
+        first_difference: the first step and quantity that differ, in words (None when ``ok``).
+        world_sizes: the world sizes compared (the first is the reference).
+        gaps: per world size, the largest relative difference of each quantity.
+    """
+
+    ok: bool
+    causes: list[str]
+    first_difference: str | None
+    world_sizes: tuple[int, ...]
+    gaps: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        sizes = " vs ".join(_ranks(n) for n in self.world_sizes)
+        if self.ok:
+            worst = max((g for gaps in self.gaps.values() for g in gaps.values()), default=0.0)
+            return f"world-size invariance: OK ({sizes}; largest relative difference {worst:.1e})"
+        lines = [f"world-size invariance: FAILED ({sizes})"]
+        if self.first_difference:
+            lines.append(f"  first difference: {self.first_difference}")
+        lines += [f"  likely cause: {c}" for c in self.causes] or [
+            "  likely cause: none of the known ones was found (a random draw of your own outside training_step - a "
+            "collate_fn, a callback -, a reduction of your own over ranks, or state kept per rank)."]
+        return "\n".join(lines)
+
+
+def check_world_size_invariance(model_factory: Factory, train_data: Factory, val_data: Factory | None = None,
+                                world_sizes: Sequence[int] = (1, 2), max_steps: int = 20, *, seed: int = 1234,
+                                rtol: float = 1e-5, timeout: float = 600.0,
+                                **trainer_kwargs: Any) -> InvarianceReport:
+    """Train ``model_factory()`` on each of ``world_sizes`` (real processes) and compare them.
+
+    Args:
+        model_factory: returns the LightningModule (a new one per call, initialised the same way).
+        train_data: returns the one-process training DataLoader (``batch_size``: the global batch).
+        val_data: returns the validation DataLoader, or None (no validation).
+        world_sizes: the first is the reference (1: one process).
+        max_steps: training steps of each run.
+        seed: the root seed of every run.
+        rtol: the largest relative difference taken as float rounding.
+        timeout: seconds each run may take before it is stopped (a hang is reported, not waited on).
+        trainer_kwargs: more ``Trainer`` arguments (default: ``accelerator="cpu"``, no logger, no checkpoints).
+    """
+    sizes = tuple(int(n) for n in world_sizes)
+    if len(sizes) < 2 or min(sizes) < 1:
+        raise ValueError(f"check_world_size_invariance: world_sizes={tuple(world_sizes)!r}: give two or more sizes "
+                         "of at least 1 (the first is the reference), e.g. (1, 2).")
+    spec = {"model": _spec(model_factory, "model_factory"), "train": _spec(train_data, "train_data"),
+            "val": _spec(val_data, "val_data") if val_data is not None else None, "max_steps": int(max_steps),
+            "seed": int(seed), "trainer_kwargs": trainer_kwargs, "path": list(sys.path)}
+    runs: dict[int, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="lsync-invariance-") as tmp:
+        for n in sizes:
+            runs[n] = _launch(Path(tmp) / f"world{n}", {**spec, "world_size": n}, timeout)
+    return compare_runs(runs, rtol)
+
+
+def assert_world_size_invariant(*args: Any, **kwargs: Any) -> InvarianceReport:
+    """:func:`check_world_size_invariance`, raising ``AssertionError(str(report))`` when it is not ok (pytest)."""
+    report = check_world_size_invariance(*args, **kwargs)
+    if not report.ok:
+        raise AssertionError(str(report))
+    return report
+
+
+# --------------------------------------------------------------------------- the parent: launch and compare
+
+
+def _spec(factory: Factory, what: str) -> str:
+    if isinstance(factory, str):
+        if ":" not in factory:
+            raise ValueError(f"check_world_size_invariance: {what}={factory!r}: use 'module:function' (or the "
+                             "function itself).")
+        return factory
+    module, name = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
+    if not callable(factory) or module is None or "<" in name:
+        raise ValueError(f"check_world_size_invariance: {what}={factory!r} is not an importable function: each "
+                         "world size runs in new processes, which import it. Define it at a module's top level.")
+    if module == "__main__":
+        path = getattr(sys.modules["__main__"], "__file__", None)
+        if path is None:
+            raise ValueError(f"check_world_size_invariance: {what} is defined in an interactive session; new "
+                             "processes cannot import it. Define it in a module (a .py file) and import it.")
+        return f"{os.path.abspath(path)}:{name}"
+    return f"{module}:{name}"
+
+
+def _launch(out: Path, spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    out.mkdir(parents=True)
+    (out / "spec.pkl").write_bytes(pickle.dumps(spec))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in spec["path"] if p))
+    env.pop("LOCAL_RANK", None)
+    n = spec["world_size"]
+    try:
+        proc = subprocess.run([sys.executable, "-m", "lightning_sync.testing", "--child", str(out)], env=env,
+                              capture_output=True, text=True, timeout=timeout, start_new_session=True)
+        failed = proc.returncode != 0
+        tail = (proc.stderr or proc.stdout)[-3000:]
+    except subprocess.TimeoutExpired:
+        failed, tail = True, f"the {n}-rank run did not finish within {timeout:.0f} s (stopped)"
+    records = []
+    for rank in range(n):
+        path = out / f"rank{rank}.pkl"
+        records.append(pickle.loads(path.read_bytes()) if path.exists() else {"error": None})
+    errors = [r.get("error") for r in records if r.get("error")]
+    if failed and not errors:
+        records[0]["error"] = f"the {n}-rank run failed:\n{tail}"
+    return records
+
+
+def _global_losses(records: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
+    """Per (epoch, batch): the global batch's loss, each rank's mean weighted by its rows (stand-ins count 0)."""
+    total: dict[tuple[int, int], list[float]] = {}
+    for rec in records:
+        for epoch, batch, loss, rows in rec.get("losses", []):
+            acc = total.setdefault((epoch, batch), [0.0, 0.0])
+            acc[0] += loss * rows
+            acc[1] += rows
+    return {k: s / n for k, (s, n) in sorted(total.items()) if n}
+
+
+def _rel(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def compare_runs(runs: dict[int, list[dict[str, Any]]], rtol: float) -> InvarianceReport:
+    """The report of runs recorded by the child processes (``runs[world size]``: every rank's record)."""
+    sizes = tuple(runs)
+    stopped: dict[str, list[str]] = {}  # an error, and the runs it stopped (one line for the same error)
+    for n, records in runs.items():
+        for rank, rec in enumerate(records):
+            if rec.get("error"):
+                stopped.setdefault(str(rec["error"]), []).append(f"the {n}-rank run (rank {rank})")
+                break
+    causes = [f"{' and '.join(where)} stopped: {error}" for error, where in stopped.items()]
+    if causes:
+        return InvarianceReport(False, causes, "a run did not complete", sizes)
+    ref_n = sizes[0]
+    ref = runs[ref_n]
+    ref_losses, ref_norms = _global_losses(ref), ref[0].get("grad_norms", [])
+    first: tuple[int, str] | None = None
+    gaps: dict[int, dict[str, float]] = {}
+    for n in sizes[1:]:
+        recs = runs[n]
+        losses, norms = _global_losses(recs), recs[0].get("grad_norms", [])
+        gap = {"loss": 0.0, "grad_norm": 0.0, "weights": 0.0, "metrics": 0.0}
+        for i, key in enumerate(ref_losses):
+            g = _rel(ref_losses[key], losses.get(key, math.nan))
+            gap["loss"] = max(gap["loss"], g)
+            if g > rtol and (first is None or i < first[0]):
+                first = (i, f"step {i} (epoch {key[0]}, batch {key[1]}): the global batch's loss is "
+                            f"{ref_losses[key]:.7g} on {_ranks(ref_n)}, {losses.get(key, math.nan):.7g} on {_ranks(n)} "
+                            f"(relative {g:.1e})")
+        for i, (a, b) in enumerate(zip(ref_norms, norms)):
+            g = _rel(a, b)
+            gap["grad_norm"] = max(gap["grad_norm"], g)
+            if g > rtol and (first is None or i < first[0]):
+                first = (i, f"step {i}: the gradient norm after DDP's all-reduce is {a:.7g} on {_ranks(ref_n)}, "
+                            f"{b:.7g} on {_ranks(n)} (relative {g:.1e})")
+        if len(norms) != len(ref_norms) and first is None:
+            first = (min(len(norms), len(ref_norms)), f"{len(ref_norms)} optimizer steps on {_ranks(ref_n)}, "
+                                                       f"{len(norms)} on {_ranks(n)}")
+        w_ref, w = ref[0].get("weights", {}), recs[0].get("weights", {})
+        scale = max((float(v.abs().max()) for v in w_ref.values()), default=1.0) or 1.0
+        for k, v in w_ref.items():
+            g = float((v - w[k]).abs().max()) / scale if k in w and w[k].shape == v.shape else math.inf
+            gap["weights"] = max(gap["weights"], g)
+        if gap["weights"] > rtol and first is None:
+            first = (1 << 30, f"the final weights differ by {gap['weights']:.1e} of their largest value")
+        for name, value in ref[0].get("metrics", {}).items():
+            for rank, rec in enumerate(recs):
+                other = rec.get("metrics", {}).get(name, math.nan)
+                g = _rel(value, other)
+                gap["metrics"] = max(gap["metrics"], g)
+                if g > rtol and first is None:
+                    first = (1 << 31, f"logged metric {name!r}: {value:.7g} on {_ranks(ref_n)}, {other:.7g} on rank "
+                                      f"{rank} of {n}")
+        gaps[n] = gap
+    ok = first is None
+    return InvarianceReport(ok, [] if ok else _causes(runs, ref_losses), None if first is None else first[1], sizes,
+                            gaps)
+
+
+def _causes(runs: dict[int, list[dict[str, Any]]], ref_losses: dict[tuple[int, int], float]) -> list[str]:
+    causes: list[str] = []
+    every = [(n, rank, rec) for n, recs in runs.items() for rank, rec in enumerate(recs)]
+    bn = next((rec["batchnorm_per_rank"] for _, _, rec in every if rec.get("batchnorm_per_rank")), None)
+    if bn and any(n > 1 for n in runs):
+        causes.append(f"BatchNorm layers without synchronised statistics ({_names(bn)}): each rank normalises by "
+                      "its own slice of the batch. Fix: Trainer(sync_batchnorm=True) (or "
+                      "lightning_sync.convert_sync_batchnorm(model)).")
+    drawn = sorted({step for _, _, rec in every for step in rec.get("global_rng_steps", [])})
+    if drawn:
+        causes.append(f"the training step drew from the global random generators (torch/numpy/random) at step(s) "
+                      f"{_names([str(s) for s in drawn])}: those numbers come from each rank's own stream (e.g. "
+                      "torch.rand in training_step, F.dropout called directly, a dropout layer left per rank). Fix: "
+                      "draw per-sample randomness in Dataset.__getitem__ (keyed by the sample under "
+                      "world_size_invariant=True) and use nn.Dropout layers.")
+    first = next(iter(ref_losses), None)
+    for n, recs in runs.items():
+        if n == 1 or first is None:
+            continue
+        step0 = [(loss, rows) for rec in recs for e, b, loss, rows in rec.get("losses", []) if (e, b) == first and rows]
+        total = sum(loss for loss, _ in step0)
+        if step0 and _rel(total, ref_losses[first]) < 1e-4 and _rel(ref_losses[first], total / len(step0)) > 1e-4:
+            causes.append(f"the loss is summed over the batch: at the first step the {n} ranks' losses add up to the "
+                          "one-process loss, and DDP averages the ranks' gradients, so N ranks train with 1/N of the "
+                          "gradient. Fix: average over the batch (reduction='mean').")
+            break
+    for n, recs in runs.items():
+        if n == 1:
+            continue
+        names = sorted({k for rec in recs for k in rec.get("metrics", {})})
+        for name in names:
+            values = [rec.get("metrics", {}).get(name, math.nan) for rec in recs]
+            if any(_rel(values[0], v) > 1e-6 for v in values[1:]):
+                shown = ", ".join(f"rank {r}: {v:.6g}" for r, v in enumerate(values))
+                causes.append(f"metric {name!r} differs across the {n} ranks ({shown}): it is logged without "
+                              f"sync_dist=True, so each rank keeps its own value. Fix: self.log({name!r}, value, "
+                              "sync_dist=True), or log a torchmetrics object.")
+        break
+    left = next((rec["dropout_per_rank"] for _, _, rec in every if rec.get("dropout_per_rank")), None)
+    if left:
+        causes.append(f"dropout drawn per rank in {_names(left)} (only nn.Dropout and nn.Dropout1d/2d/3d layers draw "
+                      "the global batch's masks). Fix: use those layers, or no dropout there.")
+    return causes
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+def _names(items: Sequence[str]) -> str:
+    return ", ".join(items[:6]) + (f", ... ({len(items)} in all)" if len(items) > 6 else "")
+
+
+# --------------------------------------------------------------------------- the child: one run, every rank
+
+
+def _resolve(spec: str) -> Any:
+    target, name = spec.rsplit(":", 1)
+    if target.endswith(".py"):
+        module_name = "_lsync_invariance_" + hashlib.blake2b(target.encode(), digest_size=6).hexdigest()
+        module = sys.modules.get(module_name)
+        if module is None:
+            loaded = importlib.util.spec_from_file_location(module_name, target)
+            assert loaded is not None and loaded.loader is not None
+            module = importlib.util.module_from_spec(loaded)
+            sys.modules[module_name] = module
+            loaded.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    obj: Any = module
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _rng_fingerprint() -> bytes:
+    import numpy as np
+    import torch
+
+    digest = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=16)
+    digest.update(repr(random.getstate()).encode())
+    state: Any = np.random.get_state(legacy=True)
+    digest.update(np.asarray(state[1]).tobytes() + str(state[2]).encode())
+    return digest.digest()
+
+
+def _recorder(record: dict[str, Any]) -> Any:
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+
+    from lightning_sync.batchnorm import SyncBatchNorm
+    from lightning_sync.invariance import make_dropout_invariant
+    from lightning_sync.parts.invariant import WorldSizeInvariantPart
+
+    class Recorder(pl.Callback):
+        def __init__(self) -> None:
+            self._rng = b""
+
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            record["batchnorm_per_rank"] = [
+                name for name, m in pl_module.named_modules()
+                if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))
+                and not isinstance(m, (nn.SyncBatchNorm, SyncBatchNorm)) and m.training]
+            record["dropout_per_rank"] = make_dropout_invariant(pl_module)[1]  # already converted: only reads
+
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                 batch_idx: int) -> None:
+            self._rng = _rng_fingerprint()
+
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                     optimizer: Any) -> None:
+            grads = [p.grad.detach().double().pow(2).sum() for p in pl_module.parameters() if p.grad is not None]
+            record["grad_norms"].append(float(torch.stack(grads).sum().sqrt()) if grads else 0.0)
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            find = getattr(trainer.strategy, "part", None)
+            part = find(WorldSizeInvariantPart) if callable(find) else None
+            rows = part.loader.plan.sizes(batch_idx)[part._rank] if part is not None and part.loader else 0
+            if isinstance(loss, torch.Tensor):
+                record["losses"].append((trainer.current_epoch, batch_idx, float(loss.detach()), rows))
+            if _rng_fingerprint() != self._rng:
+                record["global_rng_steps"].append(len(record["losses"]) - 1)
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if trainer.global_rank == 0:
+                record["weights"] = {k: v.detach().double().cpu() for k, v in pl_module.state_dict().items()
+                                     if v.is_floating_point()}
+
+    return Recorder()
+
+
+def _child(out: Path) -> int:
+    spec = pickle.loads((out / "spec.pkl").read_bytes())
+    for entry in reversed(spec["path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    record: dict[str, Any] = {"losses": [], "grad_norms": [], "global_rng_steps": [], "metrics": {}}
+    try:
+        import lightning.pytorch as pl
+        import torch
+
+        import lightning_sync as ls
+
+        pl.seed_everything(spec["seed"], verbose=False)
+        model = _resolve(spec["model"])()
+        train = _resolve(spec["train"])()
+        val = _resolve(spec["val"])() if spec["val"] else None
+        kwargs: dict[str, Any] = {"accelerator": "cpu", "logger": False, "enable_checkpointing": False,
+                                  "enable_progress_bar": False, "enable_model_summary": False,
+                                  "max_steps": spec["max_steps"], "num_sanity_val_steps": 0}
+        kwargs.update(spec["trainer_kwargs"])
+        kwargs["callbacks"] = [*list(kwargs.get("callbacks") or []), _recorder(record)]
+        kwargs.update(devices=spec["world_size"], num_nodes=1,
+                      strategy=ls.SyncDDPStrategy(seed=spec["seed"], world_size_invariant=True))
+        if val is None:
+            kwargs.setdefault("limit_val_batches", 0)
+        trainer = pl.Trainer(**kwargs)
+        rank = trainer.global_rank
+        trainer.fit(model, train, val)
+        record["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()
+                             if isinstance(v, torch.Tensor) and v.numel() == 1}
+        code = 0
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which names it in the report
+        record["error"] = f"{type(err).__name__}: {err}"
+        traceback.print_exc()
+        code = 1
+    (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(record))
+    return code
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``lsync-doctor invariance MODULE:MODEL MODULE:TRAIN [MODULE:VAL]``: print the report; exit 0 when ok."""
+    parser = argparse.ArgumentParser(
+        prog="lsync-doctor invariance",
+        description="Train your LightningModule on each world size (real processes, world_size_invariant=True) and "
+        "say whether N ranks train the one-process model, and if not, why.")
+    parser.add_argument("model", help="MODULE:FUNCTION returning the LightningModule")
+    parser.add_argument("train", help="MODULE:FUNCTION returning the one-process training DataLoader")
+    parser.add_argument("val", nargs="?", default=None, help="MODULE:FUNCTION returning the validation DataLoader")
+    parser.add_argument("--world-sizes", default="1,2", help="comma-separated; the first is the reference")
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--rtol", type=float, default=1e-5)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    args = parser.parse_args(argv)
+    try:
+        sizes = tuple(int(s) for s in args.world_sizes.split(","))
+    except ValueError:
+        parser.error(f"--world-sizes {args.world_sizes!r}: use comma-separated integers, e.g. 1,2")
+    sys.path.insert(0, os.getcwd())
+    report = check_world_size_invariance(args.model, args.train, args.val, world_sizes=sizes,
+                                         max_steps=args.max_steps, rtol=args.rtol, timeout=args.timeout)
+    print(report)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        sys.exit(_child(Path(sys.argv[2])))
+    sys.exit(main())

@@ -3,8 +3,9 @@
 :func:`check_world_size_invariance` trains the module on each world size in real processes under
 ``SyncDDPStrategy(world_size_invariant=True)`` (Lightning's launcher, gloo on CPU by default), records every
 step's global-batch loss and gradient norm, the final weights and every rank's logged metrics, and compares each
-world size with the first. The report names the first step and quantity that differ and the likely cause in
-your code, with the fix; it never changes your code (no layer converted that you did not ask for)::
+world size with the first (metrics after every step, ``trainer.callback_metrics``, and at the end). The report
+names the first step and quantity that differ and the likely cause in your code, with the fix; it never changes
+your code (no layer converted that you did not ask for)::
 
     from lightning_sync.testing import assert_world_size_invariant
 
@@ -210,6 +211,16 @@ def compare_runs(runs: dict[int, list[dict[str, Any]]], rtol: float) -> Invarian
             if g > rtol and (first is None or i < first[0]):
                 first = (i, f"step {i}: the gradient norm after DDP's all-reduce is {a:.7g} on {_ranks(ref_n)}, "
                             f"{b:.7g} on {_ranks(n)} (relative {g:.1e})")
+        for i, logged in enumerate(ref[0].get("step_metrics", [])):
+            for name, value in logged.items():
+                for rank, rec in enumerate(recs):
+                    steps = rec.get("step_metrics", [])
+                    other = steps[i].get(name, math.nan) if i < len(steps) else math.nan
+                    g = _rel(value, other)
+                    gap["metrics"] = max(gap["metrics"], g)
+                    if g > rtol and (first is None or i < first[0]):
+                        first = (i, f"step {i}: logged metric {name!r} is {value:.7g} on {_ranks(ref_n)}, "
+                                    f"{other:.7g} on rank {rank} of {n}")
         if len(norms) != len(ref_norms) and first is None:
             first = (min(len(norms), len(ref_norms)), f"{len(ref_norms)} optimizer steps on {_ranks(ref_n)}, "
                                                        f"{len(norms)} on {_ranks(n)}")
@@ -359,6 +370,8 @@ def _recorder(record: dict[str, Any]) -> Any:
                 record["losses"].append((trainer.current_epoch, batch_idx, float(loss.detach()), rows))
             if _rng_fingerprint() != self._rng:
                 record["global_rng_steps"].append(len(record["losses"]) - 1)
+            record["step_metrics"].append({k: float(v) for k, v in trainer.callback_metrics.items()
+                                           if isinstance(v, torch.Tensor) and v.numel() == 1})
 
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             if trainer.global_rank == 0:
@@ -374,7 +387,8 @@ def _child(out: Path) -> int:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
-    record: dict[str, Any] = {"losses": [], "grad_norms": [], "global_rng_steps": [], "metrics": {}}
+    record: dict[str, Any] = {"losses": [], "grad_norms": [], "global_rng_steps": [], "metrics": {},
+                              "step_metrics": []}
     try:
         import lightning.pytorch as pl
         import torch

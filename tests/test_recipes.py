@@ -49,6 +49,7 @@ RUNS: dict[str, str] = {
     "predict_to_parquet.py": "test_predict_to_parquet_index_once_in_order",
     "fsdp2.py": "test_fsdp2_validation_equals_one_process_under_model_parallel_sync",
     "uneven_streams.py": "test_uneven_streams_train_every_sample_where_ddp_hangs",
+    "world_size_invariance.py": "test_world_size_invariance_one_two_three_ranks_and_the_summed_loss",
 }
 
 
@@ -288,6 +289,19 @@ def test_uneven_streams_train_every_sample_where_ddp_hangs(tmp_path: Path) -> No
     assert "ddp hung: rank 0 waits in DDP's gradient all-reduce" in out, out
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(2 * TIMEOUT + 90)
+def test_world_size_invariance_one_two_three_ranks_and_the_summed_loss(tmp_path: Path) -> None:
+    out = script("world_size_invariance.py", "--show-mistake", "--max-steps", "12", cwd=tmp_path)
+    for n in (2, 3):  # every quantity within float rounding of the one-process run
+        found = re.search(rf"{n} ranks vs 1: loss {NUM}, grad_norm {NUM}, weights {NUM}, metrics {NUM}", out)
+        assert found and all(float(g) < 1e-5 for g in found.groups()), out
+    assert "world-size invariance: OK (1 rank vs 2 ranks vs 3 ranks" in out, out
+    assert "world-size invariance: FAILED (1 rank vs 2 ranks)" in out and "the loss is summed over the batch" in out
+    found = re.search(rf"the global batch's loss is {NUM} on 1 rank, {NUM} on 2 ranks", out)
+    assert found and float(found.group(1)) == pytest.approx(2 * float(found.group(2)), rel=1e-4), out
+
+
 def header_commands() -> list[str]:
     """Every launch command in the recipes' docstrings, exactly as written (comments dropped)."""
     commands = []
@@ -307,6 +321,7 @@ COVERED = {
     "torchrun --standalone --nproc_per_node=2 recipes/init_process_group.py",
     "python recipes/init_process_group.py --spawn 2",
     "python recipes/uneven_streams.py", "python recipes/uneven_streams.py --show-mistake",
+    "python recipes/world_size_invariance.py", "python recipes/world_size_invariance.py --show-mistake",
 }
 
 

@@ -153,8 +153,9 @@ class SyncStrategyMixin:
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         uneven = self._uneven
-        if uneven is not None and uneven.in_step and isinstance(tensor, Tensor):
-            # inside a step with stand-ins (uneven_batches="join"): the ranks with data only
+        if uneven is not None and (uneven.in_step or uneven.in_weighted_step) and isinstance(tensor, Tensor):
+            # inside a step with stand-ins (uneven_batches="join"): the ranks with data only; a step of slices of
+            # different sizes (world_size_invariant, "join"): a mean weighted by them
             out = uneven.reduce(tensor, reduce_op, lambda t, op: self._guarded_reduce(t, group, op))
             if out is not None:
                 return out

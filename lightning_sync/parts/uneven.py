@@ -48,6 +48,7 @@ class UnevenBatchPart(Part):
         self.loader: AgreeingLoader | InvariantLoader | None = None  # the training loader, where it has shares
         self.current: StepShare | None = None  # the running batch's share (until the next batch or the epoch's end)
         self.in_step = 0  # inside a step (training_step, validation_step, test_step, backward): its collectives join
+        self.in_weighted_step = 0  # inside a step whose ranks hold different numbers of samples, none a stand-in
         self._saved: list[tuple[Any, dict[str, Any]]] | None = None  # metric states before a stand-in step
         self._logged: dict[str, Any] = {}  # the loop's logged values a stand-in step may add to
 
@@ -93,9 +94,19 @@ class UnevenBatchPart(Part):
 
     def step_context(self, strategy: Any) -> Any:
         share = self.current
-        if share is None or not share.joined:
+        if share is None:
             return contextlib.nullcontext()
+        if not share.joined:
+            return self._weighted()  # every rank has data, in different amounts
         return self._joined(strategy, share)
+
+    @contextlib.contextmanager
+    def _weighted(self) -> Iterator[None]:
+        self.in_weighted_step += 1
+        try:
+            yield
+        finally:
+            self.in_weighted_step -= 1
 
     def scale_loss(self, strategy: Any, loss: Any) -> Any:
         share = self.current
@@ -105,12 +116,19 @@ class UnevenBatchPart(Part):
         return loss if scale == 1.0 else loss * scale
 
     def reduce(self, tensor: Tensor, reduce_op: Any, run: Callable[[Tensor, Any], Tensor]) -> Tensor | None:
-        """``self.log(sync_dist=True)`` in a step with stand-ins: the reduction over the ranks with data only
-        (``run(tensor, op)`` does the collective). None: an ordinary step, reduce as usual."""
+        """``self.log(sync_dist=True)`` in a step with stand-ins: the reduction over the ranks with data only; in a
+        step whose ranks hold different numbers of samples, a mean weighted by them (``run(tensor, op)`` does the
+        collective). None: an ordinary step, reduce as usual."""
         share = self.current
-        if share is None or not share.joined or not self.in_step:
+        if share is None or not (self.in_step or self.in_weighted_step):
             return None  # outside the step (a callback's decision, an epoch-end value): every rank as it is
         op = (reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1]).lower()
+        if not share.joined:
+            if op not in ("mean", "avg"):
+                return None
+            # slices of different sizes: the mean over the step's samples, as the loss's gradient is weighted
+            value = tensor if tensor.is_floating_point() else tensor.to(torch.get_default_dtype())
+            return run(value * (share.sizes[share.rank] / sum(share.sizes)), "sum")
         shadow = share.shadow
         if op in ("mean", "avg"):
             value = tensor if tensor.is_floating_point() else tensor.to(torch.get_default_dtype())
@@ -250,7 +268,7 @@ class _JoinedSteps(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.part.current = None
         self.part._saved = None
-        self.part.in_step = 0
+        self.part.in_step = self.part.in_weighted_step = 0
 
 
 def _refused(share: StepShare, op: str, site: str) -> UnevenTrainingError:

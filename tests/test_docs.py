@@ -61,6 +61,8 @@ COVERED: list[Covered] = [
             "tests/test_gpu_check.py::test_dry_run_from_a_bare_host_installs_from_wheels_runs_the_tier_and_reports"),
     Covered(r"(\.venv/bin/)?python docs/gen_api\.py( --check)?",
             "tests/test_docs.py::test_api_reference_is_up_to_date"),
+    Covered(r"lsync-doctor invariance .*",
+            "tests/test_invariance.py::test_lsync_doctor_invariance_prints_the_report_and_exits_nonzero_on_a_difference"),
 ]
 
 #: command pattern -> why the suite does not run it.

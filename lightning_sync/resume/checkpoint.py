@@ -125,6 +125,12 @@ class ResumeHooks:
                                                               ResumableDistributedSampler):
             self._expects_resumable_loader = False
             sampler = getattr(dataloader, "sampler", None)
+            if hasattr(dataloader, "plan"):  # world_size_invariant's loader
+                raise ResumeError(
+                    "resume: the checkpoint was written mid-epoch with world_size_invariant=False (its position is "
+                    "per-rank loader state), and this run has world_size_invariant=True (global batches of another "
+                    "size and order). Resume it with the option it was written with, or start a new run from the "
+                    "weights only (LightningModule.load_from_checkpoint).")
             raise ResumeError(
                 "resume: the checkpoint holds the position of ddp_sync's resumable training loader (a map-style "
                 "data set, the default batch sampler over Lightning's DistributedSampler), but this run's training "

@@ -305,3 +305,14 @@ def test_the_checker_refuses_factories_new_processes_cannot_import() -> None:
         check_world_size_invariance(f"{CASES}:good", f"{CASES}:train_loader", world_sizes=(2,))
     with pytest.raises(ValueError, match="use 'module:function'"):
         check_world_size_invariance("good", f"{CASES}:train_loader")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fsdp2_under_model_parallel_sync_trains_the_one_process_model(tmp_path: Path) -> None:
+    """SyncModelParallelStrategy(world_size_invariant=True): FSDP2 over the data-parallel ranks (LayerNorm: no
+    SyncBatchNorm under FSDP2), dropout 0.3; the full weights gathered on rank 0."""
+    one = _fit(tmp_path, "one", "--devices", "1", "--strategy", "fsdp", "--dropout", "0.3")
+    three = _fit(tmp_path, "three", "--devices", "3", "--strategy", "fsdp", "--dropout", "0.3")
+    assert _relative_gap(one, three) < 1e-5 and three["val_acc"] == one["val_acc"]
+    assert three["global_step"] == one["global_step"] == 84

@@ -44,9 +44,11 @@ class Points(Dataset):
 
 
 class Model(L.LightningModule):
-    def __init__(self, dropout: float, sum_loss: bool) -> None:
+    def __init__(self, dropout: float, sum_loss: bool, fsdp: bool = False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 1))
+        norm = nn.LayerNorm(16) if fsdp else nn.BatchNorm1d(16)  # (FSDP2: no SyncBatchNorm)
+        self.net = nn.Sequential(nn.Linear(6, 16), norm, nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 1))
+        self.fsdp = fsdp
         self.sum_loss = sum_loss
         self.losses: list[float] = []
         self.val_acc = torchmetrics.classification.BinaryAccuracy()
@@ -57,6 +59,15 @@ class Model(L.LightningModule):
         loss = nn.functional.binary_cross_entropy_with_logits(out, y, reduction="sum" if self.sum_loss else "mean")
         self.losses.append(float(loss.detach()))
         return loss
+
+    def configure_model(self) -> None:
+        if self.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net[0], self.net[4]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -72,7 +83,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--strategy", choices=("sync", "ddp"), default="sync")
+    parser.add_argument("--strategy", choices=("sync", "ddp", "fsdp"), default="sync")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--samples", type=int, default=N_TRAIN)
     parser.add_argument("--dropout", type=float, default=0.0)
@@ -84,8 +95,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     L.seed_everything(5, verbose=False)
-    model = Model(args.dropout, args.sum_loss)
-    if args.strategy == "sync":
+    model = Model(args.dropout, args.sum_loss, fsdp=args.strategy == "fsdp")
+    if args.strategy == "fsdp":
+        strategy = ls.SyncModelParallelStrategy(world_size_invariant=True, guard_timeout=60)
+        batch = GLOBAL_BATCH
+    elif args.strategy == "sync":
         strategy = ls.SyncDDPStrategy(world_size_invariant=True, guard_timeout=60)
         batch = GLOBAL_BATCH
     else:
@@ -105,7 +119,13 @@ def main() -> None:
                         enable_model_summary=False)
     trainer.fit(model, train, val, ckpt_path=args.resume)
     rank = trainer.global_rank
-    torch.save({"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": model.losses,
+    if args.strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save({"weights": weights, "losses": model.losses,
                 "val_acc": float(trainer.callback_metrics.get("val_acc", -1.0)), "global_step": trainer.global_step},
                args.out / f"rank{rank}.pt")
     if rank == 0:

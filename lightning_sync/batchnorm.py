@@ -54,6 +54,7 @@ __all__ = [
     "convert_sync_batchnorm",
     "dedicated_group",
     "joined_step",
+    "per_rank_batchnorm",
     "revert_sync_batchnorm",
     "share_running_stats",
     "unshare_running_stats",
@@ -527,6 +528,14 @@ class _BatchNormXd(BatchNormBase):
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+
+def per_rank_batchnorm(module: nn.Module) -> list[str]:
+    """Names of ``module``'s BatchNorm layers in training mode whose statistics are each rank's own (neither
+    lightning_sync's nor torch's SyncBatchNorm)."""
+    return [name for name, m in module.named_modules()
+            if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))
+            and not isinstance(m, (nn.SyncBatchNorm, SyncBatchNorm)) and m.training]
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:

@@ -334,9 +334,8 @@ def _rng_fingerprint() -> bytes:
 def _recorder(record: dict[str, Any]) -> Any:
     import lightning.pytorch as pl
     import torch
-    from torch import nn
 
-    from lightning_sync.batchnorm import SyncBatchNorm
+    from lightning_sync.batchnorm import per_rank_batchnorm
     from lightning_sync.invariance import make_dropout_invariant
     from lightning_sync.parts.invariant import WorldSizeInvariantPart
 
@@ -345,10 +344,7 @@ def _recorder(record: dict[str, Any]) -> Any:
             self._rng = b""
 
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            record["batchnorm_per_rank"] = [
-                name for name, m in pl_module.named_modules()
-                if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))
-                and not isinstance(m, (nn.SyncBatchNorm, SyncBatchNorm)) and m.training]
+            record["batchnorm_per_rank"] = per_rank_batchnorm(pl_module)
             record["dropout_per_rank"] = make_dropout_invariant(pl_module)[1]  # already converted: only reads
 
         def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,

@@ -178,8 +178,8 @@ def test_loaders_whose_one_process_order_is_unknown_are_refused() -> None:
 
 def _fit(tmp_path: Path, tag: str, *args: str) -> dict:
     out = tmp_path / tag
-    launch_script(SCRIPT, out, *args, timeout=240)
-    return torch.load(out / "rank0.pt")
+    proc = launch_script(SCRIPT, out, *args, timeout=240)
+    return {**torch.load(out / "rank0.pt"), "stderr": proc.stderr}
 
 
 def _relative_gap(a: dict, b: dict) -> float:
@@ -201,6 +201,11 @@ def test_two_and_three_ranks_train_the_one_process_model(tmp_path: Path) -> None
     ddp_one = _fit(tmp_path, "ddp_one", "--devices", "1", "--strategy", "ddp")
     ddp_two = _fit(tmp_path, "ddp_two", "--devices", "2", "--strategy", "ddp")
     assert _relative_gap(ddp_one, ddp_two) > 1e-2
+    # BatchNorm left per rank: warned at set-up, and the run differs
+    unsynced = _fit(tmp_path, "unsynced", "--devices", "2", "--no-sync-bn")
+    assert "BatchNorm layers net.1 normalise by each rank's slice" in unsynced["stderr"]
+    assert "Trainer(sync_batchnorm=True)" in unsynced["stderr"] and "BatchNorm layers" not in two["stderr"]
+    assert _relative_gap(one, unsynced) > 1e-3
 
 
 @pytest.mark.slow

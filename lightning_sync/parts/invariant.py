@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_sync._compat import lightning_api as _compat
+from lightning_sync.batchnorm import per_rank_batchnorm
 from lightning_sync.errors import ResumeError
 from lightning_sync.invariance import (DropoutStep, GlobalBatchSampler, InvariantLoader, KeyedSampleDataset,
                                        make_dropout_invariant, set_dropout_step)
@@ -40,7 +41,15 @@ class WorldSizeInvariantPart(Part):
         self._rank = 0
 
     def setup(self, strategy: Any, trainer: Any) -> None:
-        _converted, left = make_dropout_invariant(strategy.lightning_module)
+        module = strategy.lightning_module
+        _converted, left = make_dropout_invariant(module)
+        per_rank = per_rank_batchnorm(module)
+        if per_rank and strategy.world_size > 1 and strategy.global_rank == 0:
+            warnings.warn(
+                f"world_size_invariant=True: BatchNorm layers {', '.join(per_rank[:5])}"
+                f"{', ...' if len(per_rank) > 5 else ''} normalise by each rank's slice of the batch, so training "
+                "depends on the number of ranks. Pass Trainer(sync_batchnorm=True) (or "
+                "lightning_sync.convert_sync_batchnorm(model)) for statistics over the global batch.", stacklevel=2)
         if left and strategy.global_rank == 0:
             warnings.warn(
                 f"world_size_invariant=True: the dropout of {', '.join(left[:5])}{', ...' if len(left) > 5 else ''} "

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sync._compat import TouchPoint, UpstreamChangedError, lightning_api, omegaconf_api, torch_api
+from lightning_sync._compat import (TouchPoint, UpstreamChangedError, lightning_api, omegaconf_api, torch_api,
+                                    torchft_api)
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_sync"
 
-TOUCH_POINTS = [*lightning_api.TOUCH_POINTS, *torch_api.TOUCH_POINTS, *omegaconf_api.TOUCH_POINTS]
+TOUCH_POINTS = [*lightning_api.TOUCH_POINTS, *torch_api.TOUCH_POINTS, *omegaconf_api.TOUCH_POINTS,
+                *torchft_api.TOUCH_POINTS]
 
 
 @pytest.mark.parametrize("touch_point", TOUCH_POINTS, ids=[t.name.split(" ")[0] for t in TOUCH_POINTS])

@@ -63,6 +63,8 @@ COVERED: list[Covered] = [
             "tests/test_docs.py::test_api_reference_is_up_to_date"),
     Covered(r"lsync-doctor invariance .*",
             "tests/test_invariance.py::test_lsync_doctor_invariance_prints_the_report_and_exits_nonzero_on_a_difference"),
+    Covered(r"lsync-ft-run .*",
+            "tests/test_ft.py::test_a_killed_group_is_restarted_healed_from_its_peer_and_the_other_never_stops"),
 ]
 
 #: command pattern -> why the suite does not run it.

@@ -1,0 +1,108 @@
+"""Fault tolerance across replica groups, on torchft (``pip install "lightning_sync[ft]"``).
+
+A run is R *replica groups*, each an ordinary (one-process, or ``torchrun``) training job; torchft's
+lighthouse forms a quorum of the live groups every step, the groups average their gradients over torchft's
+reconfigurable process group, and a group that died and was restarted takes the weights and optimizer state
+of a live peer instead of a checkpoint file. ``lsync-ft-run`` (:mod:`lightning_sync.ft.launch`) starts the
+lighthouse and the groups and restarts a group that dies; :func:`replica_context` builds, inside a group,
+torchft's ``Manager`` bound to the group's own address (loopback on one machine), never every interface.
+
+Environment each group gets from ``lsync-ft-run``: ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``,
+``TORCHFT_LIGHTHOUSE`` (torchft's), ``LSYNC_FT_RESTART`` (0 in a group's first life, then 1, 2, ...) and
+``LSYNC_FT_HOST`` (the address its servers bind to).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["ReplicaContext", "ReplicaGroup", "replica_context", "require_torchft"]
+
+ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, ENV_RESTART, ENV_HOST = (
+    "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE", "LSYNC_FT_RESTART", "LSYNC_FT_HOST")
+
+
+def require_torchft() -> None:
+    """Raise a clear ``ImportError`` naming the extra when torchft is not installed."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "lightning_sync's fault tolerance runs on torchft, which is not installed. Install the extra: "
+            "pip install \"lightning_sync[ft]\" (torchft>=0.2).") from err
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """This process's replica group, as ``lsync-ft-run`` described it in the environment."""
+
+    group_id: int
+    num_groups: int
+    restart: int
+    lighthouse: str
+    host: str
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaGroup:
+        env = os.environ if env is None else env
+        missing = [k for k in (ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE) if not env.get(k)]
+        if missing:
+            raise RuntimeError(
+                f"not inside a replica group: {', '.join(missing)} not set. Start the training command under "
+                "lsync-ft-run --replicas R -- CMD ... (or set them as lsync-ft-run does: docs/fault_tolerance.md).")
+        return cls(group_id=int(env[ENV_GROUP]), num_groups=int(env[ENV_GROUPS]), restart=int(env.get(ENV_RESTART, 0)),
+                   lighthouse=env[ENV_LIGHTHOUSE], host=env.get(ENV_HOST, "127.0.0.1"))
+
+
+@dataclass
+class ReplicaContext:
+    """torchft's ``Manager`` of this replica group and what it needs kept alive (the group's store)."""
+
+    group: ReplicaGroup
+    manager: Any
+    store: Any
+
+    def close(self) -> None:
+        """Stop the manager's servers and threads (every process, at its end)."""
+        self.manager.shutdown(wait=False)
+        self.store = None
+
+
+def replica_context(state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None], *,
+                    min_replica_size: int = 1, timeout: timedelta = timedelta(seconds=30),
+                    quorum_timeout: timedelta = timedelta(seconds=120), use_async_quorum: bool = True,
+                    group: ReplicaGroup | None = None) -> ReplicaContext:
+    """torchft's ``Manager`` for this one-process replica group: its own TCP store and manager server on the
+    group's host (``LSYNC_FT_HOST``, loopback by default), torchft's gloo process group across groups, and the
+    recovery state sent over that process group (no HTTP server). ``state_dict`` / ``load_state_dict``: what a
+    restarted group takes from a live peer (the weights, the optimizer state, and anything else that must be
+    equal: a step counter, the data position)."""
+    require_torchft()
+    import torch
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    from lightning_sync._compat.torchft_api import manager_server_bound_to
+
+    group = group or ReplicaGroup.from_env()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((group.host, 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    # a TCPStore server listens on every interface unless handed a socket already bound
+    store = TCPStore(group.host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno())
+    pg = ProcessGroupGloo(timeout=timeout)
+    transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
+    with manager_server_bound_to(group.host):
+        manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
+                          min_replica_size=min_replica_size, use_async_quorum=use_async_quorum, timeout=timeout,
+                          quorum_timeout=quorum_timeout, connect_timeout=timeout, rank=0, world_size=1,
+                          store_addr=group.host, store_port=port, lighthouse_addr=group.lighthouse,
+                          replica_id=f"replica_{group.group_id}", hostname=group.host, checkpoint_transport=transport)
+    return ReplicaContext(group=group, manager=manager, store=(store, listener))

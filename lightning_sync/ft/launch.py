@@ -1,0 +1,206 @@
+"""``lsync-ft-run``: torchft's lighthouse, R replica groups, and a restart for a group that dies.
+
+    lsync-ft-run --replicas R [--min-replicas M] [--max-restarts K] [--nproc-per-replica P]
+                 [--lighthouse HOST:PORT] [--host ADDR] -- CMD ...
+
+Without ``--lighthouse`` a lighthouse is started in this process, bound to ``--host`` (127.0.0.1 by default:
+one machine); with it, the groups join that one (a lighthouse shared by several machines). Each group runs
+``CMD`` (``P > 1``: under ``torchrun --nproc-per-node P``) in a session of its own with ``REPLICA_GROUP_ID``,
+``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``, ``LSYNC_FT_RESTART`` (0 in its first life, then 1, 2, ...),
+``LSYNC_FT_HOST`` and a ``MASTER_ADDR``/``MASTER_PORT`` of its own. A group that exits non-zero (or is
+killed) is started again, up to ``K`` times, while the others go on training; torchft's quorum lets it back in
+and heals it from a live peer. The command exits 0 when every group finished with 0, else 1 naming each group
+that failed for good and its last cause. SIGINT/SIGTERM end every group (its whole session) and the lighthouse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["main"]
+
+POLL_S = 0.2
+
+
+@dataclass
+class _Group:
+    index: int
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    causes: list[str] = field(default_factory=list)
+    done: bool = False
+    failed: bool = False
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _cause(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lsync-ft-run", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--replicas", type=int, required=True, help="replica groups to start (R)")
+    p.add_argument("--min-replicas", type=int, default=1, help="the fewest live groups a step may commit with")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts of each group before it counts as failed")
+    p.add_argument("--nproc-per-replica", type=int, default=1, help="processes of each group (P > 1: torchrun)")
+    p.add_argument("--lighthouse", default=None, help="HOST:PORT of a running lighthouse (default: start one)")
+    p.add_argument("--host", default="127.0.0.1", help="address the lighthouse and the groups' servers bind to")
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=5000,
+                   help="lighthouse: a group silent this long is out of the quorum")
+    p.add_argument("--join-timeout-ms", type=int, default=10000,
+                   help="lighthouse: how long a quorum waits for groups still sending heartbeats")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...: the training command of every group")
+    return p
+
+
+def _start_lighthouse(args: argparse.Namespace) -> tuple[Any, str]:
+    from lightning_sync.ft import require_torchft
+
+    require_torchft()
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind=f"{args.host}:0", min_replicas=args.min_replicas,
+                              join_timeout_ms=args.join_timeout_ms, heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+    port = str(server.address()).rstrip("/").rsplit(":", 1)[-1]  # address() names the hostname: use our host
+    return server, f"http://{args.host}:{port}"
+
+
+def _spawn(group: _Group, args: argparse.Namespace, lighthouse: str) -> None:
+    port = _free_port(args.host)
+    env = dict(os.environ, REPLICA_GROUP_ID=str(group.index), NUM_REPLICA_GROUPS=str(args.replicas),
+               TORCHFT_LIGHTHOUSE=lighthouse, LSYNC_FT_RESTART=str(group.restarts), LSYNC_FT_HOST=args.host,
+               MASTER_ADDR=args.host, MASTER_PORT=str(port))
+    if args.host in ("127.0.0.1", "localhost") and "GLOO_SOCKET_IFNAME" not in env:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pairs on loopback, whatever the hostname resolves to
+    command = list(args.command)
+    if args.nproc_per_replica > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_replica}",
+                   "--rdzv-backend=static", f"--master-addr={args.host}", f"--master-port={port}", "--node-rank=0",
+                   "--nnodes=1", *command]
+    group.process = subprocess.Popen(command, env=env, start_new_session=True)
+
+
+def _stop(groups: list[_Group]) -> None:
+    for group in groups:
+        if group.process is not None and group.process.poll() is None:
+            try:
+                os.killpg(group.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    for group in groups:
+        if group.process is None:
+            continue
+        try:
+            group.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(group.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            group.process.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("give the training command after --, e.g. lsync-ft-run --replicas 2 -- python train.py")
+    for name in ("replicas", "nproc_per_replica", "min_replicas"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")
+    if args.min_replicas > args.replicas:
+        parser.error(f"--min-replicas {args.min_replicas} is more than --replicas {args.replicas}: no step could "
+                     "ever commit.")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0; got {args.max_restarts}.")
+    server = None
+    if args.lighthouse:
+        lighthouse = args.lighthouse if "://" in args.lighthouse else f"http://{args.lighthouse}"
+    else:
+        server, lighthouse = _start_lighthouse(args)
+    print(f"lsync-ft-run: lighthouse {lighthouse}; {args.replicas} replica groups of {args.nproc_per_replica} "
+          f"process(es), up to {args.max_restarts} restarts each", file=sys.stderr, flush=True)
+    groups = [_Group(i) for i in range(args.replicas)]
+    stopping: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stopping.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for group in groups:
+            _spawn(group, args, lighthouse)
+        while not stopping and not all(g.done or g.failed for g in groups):
+            time.sleep(POLL_S)
+            for group in groups:
+                if group.done or group.failed or group.process is None:
+                    continue
+                code = group.process.poll()
+                if code is None:
+                    continue
+                if code == 0:
+                    group.done = True
+                    continue
+                group.causes.append(_cause(code))
+                finished = [g.index for g in groups if g.done]
+                if finished:  # the run is over in those groups: a restart would have no live peer to heal from
+                    group.failed = True
+                    print(f"lsync-ft-run: replica group {group.index} ended ({group.causes[-1]}) after group "
+                          f"{finished[0]} finished the run; not restarted (no live peer to heal from)",
+                          file=sys.stderr, flush=True)
+                elif group.restarts < args.max_restarts:
+                    group.restarts += 1
+                    print(f"lsync-ft-run: replica group {group.index} ended ({group.causes[-1]}); restarting it "
+                          f"(restart {group.restarts} of {args.max_restarts}); the others go on",
+                          file=sys.stderr, flush=True)
+                    _spawn(group, args, lighthouse)
+                else:
+                    group.failed = True
+                    print(f"lsync-ft-run: replica group {group.index} ended ({group.causes[-1]}) with no restart "
+                          f"left ({args.max_restarts} used); the others go on", file=sys.stderr, flush=True)
+    finally:
+        _stop(groups)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if server is not None:
+            server.shutdown()
+    if stopping:
+        print(f"lsync-ft-run: stopped by {signal.Signals(stopping[0]).name}; every group ended", file=sys.stderr)
+        return 128 + stopping[0]
+    failed = [g for g in groups if g.failed]
+    if failed:
+        for g in failed:
+            print(f"lsync-ft-run: replica group {g.index} failed: {g.causes[-1]} after {g.restarts} restart(s) "
+                  f"(causes in order: {', '.join(g.causes)})", file=sys.stderr)
+        return 1
+    restarted = [g for g in groups if g.restarts]
+    print(f"lsync-ft-run: all {len(groups)} replica groups finished"
+          + (f"; restarted: {', '.join(f'group {g.index} x{g.restarts}' for g in restarted)}" if restarted else ""),
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -88,12 +88,19 @@ def _first_tensor(value: Any) -> Any:
     return value
 
 
-def _match(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Tensor | None, bool]:
-    """What must agree across ranks for this call, its tensor, and whether it was issued asynchronously."""
-    at, other = _METHODS[method]
-    opts = kwargs.get("opts", args[-1] if args else None)
+def _tensor_of(method: str, args: tuple[Any, ...]) -> Tensor | None:
+    """The call's (first) tensor, or None."""
+    at = _METHODS[method][0]
     tensor = _first_tensor(args[at]) if at is not None and len(args) > at else None
-    match = describe_tensor(tensor) if isinstance(tensor, Tensor) else ""
+    return tensor if isinstance(tensor, Tensor) else None
+
+
+def _match(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Tensor | None]:
+    """What must agree across ranks for this call, and its tensor."""
+    other = _METHODS[method][1]
+    opts = kwargs.get("opts", args[-1] if args else None)
+    tensor = _tensor_of(method, args)
+    match = describe_tensor(tensor) if tensor is not None else ""
     if other is not None and opts is not None:
         if other == "op":
             value = getattr(opts, "reduceOp", None)
@@ -101,7 +108,7 @@ def _match(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
                 match += f" op={op_name(getattr(value, 'op', value))}"
         else:
             match += f" {other}={getattr(opts, 'rootRank', 0)}"
-    return match.strip(), tensor if isinstance(tensor, Tensor) else None, bool(getattr(opts, "asyncOp", True))
+    return match.strip(), tensor
 
 
 def _issuer(frame: Any) -> tuple[str | None, Any]:
@@ -164,7 +171,7 @@ class WatchedGroup(_ProcessGroup):  # type: ignore[misc]
             return run(*args, **kwargs)
         public, caller = _issuer(sys._getframe(2))
         if guard._depth:  # inside a guarded operation: its fingerprint covers this call
-            return _run(guard, self, run, args, kwargs, method, user=False)
+            return _run(guard, self, run, args, kwargs, _tensor_of(method, args))
         module = caller.f_globals.get("__name__", "") if caller is not None else ""
         trusted = public is None or caller is None or is_trusted(caller)
         if trusted and method == "allreduce" and (
@@ -177,13 +184,13 @@ class WatchedGroup(_ProcessGroup):  # type: ignore[misc]
                 # collectives): recorded, not confirmed
                 site = ("autograd backward" if caller is None or module in _AUTOGRAD
                         else f"{module}.{caller.f_code.co_name}")
-                match, _, _ = _match(method, args, kwargs)
+                match, _ = _match(method, args, kwargs)
                 guard._record(public or method, match, None, None, site=site)
             # (lightning_sync's own symmetric code, a user's `with trusted():`: recorded by its own hooks, if at all)
-            return _run(guard, self, run, args, kwargs, method, user=False)
+            return _run(guard, self, run, args, kwargs, _tensor_of(method, args))
         if guard._refusal is not None:
             guard._refuse(f"torch.distributed.{public}", caller)
-        match, tensor, _ = _match(method, args, kwargs)
+        match, tensor = _match(method, args, kwargs)
         if public == "all_reduce" and guard._module is not None and tensor is not None:
             guard._reject_managed(tensor, caller)
         fp = guard._record(public, match, None, caller)
@@ -195,12 +202,12 @@ class WatchedGroup(_ProcessGroup):  # type: ignore[misc]
                 guard._confirm(fp, public, None, tensor if same_shape else None)
             elif same_shape:
                 guard._check_layout(public, tensor, None)
-        return _run(guard, self, run, args, kwargs, method, user=True)
+        return _run(guard, self, run, args, kwargs, tensor)
 
 
 def _bucket(guard: Any, run: Any, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """DDP's gradient all-reduce (or its communication hook's): recorded, issued as DDP issued it."""
-    _, tensor, _ = _match(method, args, kwargs)
+    tensor = _tensor_of(method, args)
     guard._record("DDP gradient all-reduce", describe_tensor(tensor) if tensor is not None else "", None, None,
                   site=DDP_BUCKET_SITE)
     try:
@@ -209,14 +216,14 @@ def _bucket(guard: Any, run: Any, method: str, args: tuple[Any, ...], kwargs: di
         raise guard._explain(err) from None
 
 
-def _run(guard: Any, group: WatchedGroup, run: Any, args: tuple[Any, ...], kwargs: dict[str, Any], method: str,
-         user: bool) -> Any:
+def _run(guard: Any, group: WatchedGroup, run: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+         tensor: Tensor | None) -> Any:
+    """Issue the call; a gloo work comes back waited in slices (:class:`_SlicedWork`). ``tensor``: the call's."""
     try:
         work = run(*args, **kwargs)
     except RuntimeError as err:
         raise guard._explain(err) from None
-    if work is None or not group._on_gloo(_match(method, args, kwargs)[1] if _METHODS[method][0] is not None
-                                          else None):
+    if work is None or not group._on_gloo(tensor):
         return work
     return _SlicedWork(work, guard, group)
 
@@ -268,28 +275,12 @@ def wait_sliced(work: Any, guard: Any, group: Any) -> None:
     """Wait for a gloo ``work`` on ``group`` in slices of 0.1 s, raising the guard's failure between two (and
     then abandoning the work, see :class:`_SlicedWork`); the rank counts as blocked in its last collective
     meanwhile."""
+    from lightning_sync.guard.intercept import wait_in_slices
+
     recorder = guard._recorder
     previous = recorder.enter(guard._stream) if recorder is not None else None
     try:
-        while True:
-            try:
-                work.wait(_POLL)
-                return
-            except RuntimeError as err:
-                if work.is_completed():
-                    # it may have completed between the slice's timeout and this check: a second wait
-                    # returns at once, or raises the collective's real error
-                    try:
-                        work.wait(_POLL)
-                        return
-                    except RuntimeError as real:
-                        raise guard._explain(real) from err
-            failure = guard._failure()
-            if failure is not None:
-                from lightning_sync.guard.intercept import abandon
-
-                abandon(work, group)
-                raise failure
+        wait_in_slices(work, guard, group, _POLL)
     finally:
         if previous is None and recorder is not None:
             recorder.busy = None

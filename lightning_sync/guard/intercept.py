@@ -121,6 +121,28 @@ def abandon(*objects: Any) -> None:
             _abandoned.append(obj)
 
 
+def wait_in_slices(work: Any, guard: Any, group: Any, poll: timedelta) -> None:
+    """Wait for a gloo ``work`` on ``group`` in slices of ``poll``, raising the guard's failure between two (the
+    work and its group are then abandoned: see :func:`abandon`)."""
+    while True:
+        try:
+            work.wait(poll)
+            return
+        except RuntimeError as err:
+            if work.is_completed():
+                # it may have completed between the slice's timeout and this check: a second wait returns at
+                # once, or raises the collective's real error
+                try:
+                    work.wait(poll)
+                    return
+                except RuntimeError as real:
+                    raise guard._explain(real) from err
+        failure = guard._failure()
+        if failure is not None:
+            abandon(work, group)
+            raise failure
+
+
 def match_of(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any]:
     """What must agree across ranks for this call, and the tensor argument (for the DDP check)."""
     tensor_at, arg_at = _MATCH.get(name, (None, None))
@@ -224,25 +246,9 @@ class Interceptor:
                 raise guard._explain(err)
             if work is None:
                 return None
-            poll = self.poll
-            while True:
-                try:
-                    work.wait(poll)
-                    return None
-                except RuntimeError as err:
-                    if work.is_completed():
-                        # it may have completed between the slice's timeout and this check: a second wait
-                        # returns at once, or raises the collective's real error
-                        try:
-                            work.wait(poll)
-                            return None
-                        except RuntimeError as real:
-                            raise guard._explain(real) from err
-                failure = guard._failure()
-                if failure is not None:
-                    group = _arg(args, kwargs, (_GROUP_AT.get(name, 99), "group"))
-                    abandon(work, group if group is not None else dist.group.WORLD)
-                    raise failure
+            group = _arg(args, kwargs, (_GROUP_AT.get(name, 99), "group"))
+            wait_in_slices(work, guard, group if group is not None else dist.group.WORLD, self.poll)
+            return None
         finally:
             if previous is None:
                 recorder.busy = None

@@ -321,3 +321,20 @@ def test_fsdp2_under_model_parallel_sync_trains_the_one_process_model(tmp_path: 
     three = _fit(tmp_path, "three", "--devices", "3", "--strategy", "fsdp", "--dropout", "0.3")
     assert _relative_gap(one, three) < 1e-5 and three["val_acc"] == one["val_acc"]
     assert three["global_step"] == one["global_step"] == 84
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_mid_epoch_checkpoint_resumed_with_the_other_setting_says_so(tmp_path: Path) -> None:
+    invariant = tmp_path / "invariant"
+    launch_script(SCRIPT, invariant, "--devices", "2", "--stop-after", "10", timeout=240)
+    without = _fit(tmp_path, "without", "--devices", "2", "--per-rank", "--resume", str(invariant / "last.ckpt"))
+    assert ("resume: the checkpoint was written with world_size_invariant=True, after 10 global batches of 24 in "
+            "epoch 0; this run has world_size_invariant=False" in without["stderr"]), without["stderr"][-3000:]
+    per_rank = tmp_path / "per_rank"
+    launch_script(SCRIPT, per_rank, "--devices", "2", "--per-rank", "--stop-after", "10", timeout=240)
+    refused = launch_script(SCRIPT, tmp_path / "refused", "--devices", "2", "--resume", str(per_rank / "last.ckpt"),
+                            timeout=240, check=False)
+    assert refused.returncode != 0
+    assert ("resume: the checkpoint was written mid-epoch with world_size_invariant=False" in refused.stderr
+            ), refused.stderr[-3000:]

@@ -8,6 +8,7 @@ written by that rank: no gather, nothing on rank 0 that grows with the number of
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from lightning_sync.checkpoint_io import (RANK_FILES, atomic_save, expect_rank_f
 from lightning_sync.errors import ResumeError
 from lightning_sync.parts.base import Part
 from lightning_sync.parts.data import ResumableDataPart
+from lightning_sync.parts.invariant import STATE_KEY as INVARIANT_KEY
+from lightning_sync.parts.invariant import WorldSizeInvariantPart
 from lightning_sync.parts.seed import SeedLineagePart
 from lightning_sync.resume.checkpoint import ResumeHooks, stash_loader_states
 from lightning_sync.seeding import CHECKPOINT_KEY
@@ -75,6 +78,15 @@ class CheckpointStatePart(Part):
         seed = strategy.part(SeedLineagePart)
         if seed is not None:
             seed.pending_state = state
+        plan = state.get(INVARIANT_KEY) if isinstance(state, dict) else None
+        if (fitting and isinstance(plan, dict) and int(plan.get("batches", 0)) > 0
+                and strategy.part(WorldSizeInvariantPart) is None and strategy.global_rank == 0):
+            warnings.warn(
+                f"resume: the checkpoint was written with world_size_invariant=True, after {plan['batches']} global "
+                f"batches of {plan['batch_size']} in epoch {plan['epoch']}; this run has world_size_invariant=False, "
+                "whose per-rank loader cannot take that position: Lightning resumes the epoch inexactly (samples "
+                "seen twice or not at all). Pass world_size_invariant=True to continue the same global batches.",
+                stacklevel=2)
 
     @staticmethod
     def _read_own(state: dict[str, Any], directory: Path | None, rank: int, world_size: int) -> None:

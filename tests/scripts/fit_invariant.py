@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--strategy", choices=("sync", "ddp", "fsdp"), default="sync")
+    parser.add_argument("--per-rank", action="store_true",
+                        help="under sync: world_size_invariant=False (per-rank batches of 24 // N)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--samples", type=int, default=N_TRAIN)
     parser.add_argument("--dropout", type=float, default=0.0)
@@ -100,8 +102,8 @@ def main() -> None:
         strategy = ls.SyncModelParallelStrategy(world_size_invariant=True, guard_timeout=60)
         batch = GLOBAL_BATCH
     elif args.strategy == "sync":
-        strategy = ls.SyncDDPStrategy(world_size_invariant=True, guard_timeout=60)
-        batch = GLOBAL_BATCH
+        strategy = ls.SyncDDPStrategy(world_size_invariant=not args.per_rank, guard_timeout=60)
+        batch = GLOBAL_BATCH // args.devices if args.per_rank else GLOBAL_BATCH
     else:
         strategy, batch = "ddp", GLOBAL_BATCH // args.devices
         if not args.no_sync_bn:  # torch's SyncBatchNorm needs CUDA; the portable one runs on gloo

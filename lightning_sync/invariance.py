@@ -301,9 +301,13 @@ class _InvariantDropout:
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 - torch's name
         step = _STEP.get()
-        if not self.training or self.p == 0.0 or step is None or step.local == 0:
+        if not self.training or self.p == 0.0 or step is None:
             return super().forward(input)  # type: ignore[misc, no-any-return]
-        if input.dim() == 0 or input.shape[0] != step.local:
+        if step.local == 0:  # a stand-in step (its contribution is zero): any keyed mask, no global draw
+            rows, offset, local = input.shape[0], 0, input.shape[0]
+        else:
+            rows, offset, local = step.rows, step.offset, step.local
+        if input.dim() == 0 or input.shape[0] != local:
             raise RuntimeError(
                 f"world_size_invariant=True: dropout layer {self._lsync_name!r} got an input of shape "
                 f"{tuple(input.shape)} whose first dimension is not this rank's batch of {step.local} rows, so its "
@@ -318,10 +322,10 @@ class _InvariantDropout:
             generator = self._lsync_generators[input.device] = torch.Generator(device=input.device)
         generator.manual_seed(derive_seed(step.root, "dropout", step.epoch, step.step, self._lsync_name, call))
         if self._lsync_channels:  # Dropout1d/2d/3d: one draw per (sample, channel)
-            shape = (step.rows, input.shape[1], *([1] * (input.dim() - 2)))
+            shape = (rows, input.shape[1], *([1] * (input.dim() - 2)))
         else:
-            shape = (step.rows, *input.shape[1:])
-        draws = torch.rand(shape, generator=generator, device=input.device)[step.offset:step.offset + step.local]
+            shape = (rows, *input.shape[1:])
+        draws = torch.rand(shape, generator=generator, device=input.device)[offset:offset + local]
         if self.p == 1.0:
             mask = torch.zeros_like(draws, dtype=input.dtype)
         else:

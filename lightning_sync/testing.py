@@ -76,7 +76,7 @@ class InvarianceReport:
 
 def check_world_size_invariance(model_factory: Factory, train_data: Factory, val_data: Factory | None = None,
                                 world_sizes: Sequence[int] = (1, 2), max_steps: int = 20, *, seed: int = 1234,
-                                rtol: float = 1e-5, timeout: float = 600.0,
+                                rtol: float = 1e-5, weights_rtol: float | None = None, timeout: float = 600.0,
                                 **trainer_kwargs: Any) -> InvarianceReport:
     """Train ``model_factory()`` on each of ``world_sizes`` (real processes) and compare them.
 
@@ -88,6 +88,10 @@ def check_world_size_invariance(model_factory: Factory, train_data: Factory, val
         max_steps: training steps of each run.
         seed: the root seed of every run.
         rtol: the largest relative difference taken as float rounding.
+        weights_rtol: the same for the final weights (default ``rtol``). Adam-type optimizers divide each
+            gradient component by its running scale, so a rounding difference in a near-zero component becomes a
+            full step: with them the weights drift apart by ~lr x steps while every step's loss and gradient agree
+            (the report says so); pass a looser bound for the weights then.
         timeout: seconds each run may take before it is stopped (a hang is reported, not waited on).
         trainer_kwargs: more ``Trainer`` arguments (default: ``accelerator="cpu"``, no logger, no checkpoints).
     """
@@ -102,7 +106,7 @@ def check_world_size_invariance(model_factory: Factory, train_data: Factory, val
     with tempfile.TemporaryDirectory(prefix="lsync-invariance-") as tmp:
         for n in sizes:
             runs[n] = _launch(Path(tmp) / f"world{n}", {**spec, "world_size": n}, timeout)
-    return compare_runs(runs, rtol)
+    return compare_runs(runs, rtol, rtol if weights_rtol is None else weights_rtol)
 
 
 def assert_world_size_invariant(*args: Any, **kwargs: Any) -> InvarianceReport:
@@ -177,8 +181,10 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
-def compare_runs(runs: dict[int, list[dict[str, Any]]], rtol: float) -> InvarianceReport:
+def compare_runs(runs: dict[int, list[dict[str, Any]]], rtol: float,
+                 weights_rtol: float | None = None) -> InvarianceReport:
     """The report of runs recorded by the child processes (``runs[world size]``: every rank's record)."""
+    weights_rtol = rtol if weights_rtol is None else weights_rtol
     sizes = tuple(runs)
     stopped: dict[str, list[str]] = {}  # an error, and the runs it stopped (one line for the same error)
     for n, records in runs.items():
@@ -229,7 +235,7 @@ def compare_runs(runs: dict[int, list[dict[str, Any]]], rtol: float) -> Invarian
         for k, v in w_ref.items():
             g = float((v - w[k]).abs().max()) / scale if k in w and w[k].shape == v.shape else math.inf
             gap["weights"] = max(gap["weights"], g)
-        if gap["weights"] > rtol and first is None:
+        if gap["weights"] > weights_rtol and first is None:
             first = (1 << 30, f"the final weights differ by {gap['weights']:.1e} of their largest value")
         for name, value in ref[0].get("metrics", {}).items():
             for rank, rec in enumerate(recs):
@@ -241,8 +247,15 @@ def compare_runs(runs: dict[int, list[dict[str, Any]]], rtol: float) -> Invarian
                                       f"{rank} of {n}")
         gaps[n] = gap
     ok = first is None
-    return InvarianceReport(ok, [] if ok else _causes(runs, ref_losses), None if first is None else first[1], sizes,
-                            gaps)
+    causes = [] if ok else _causes(runs, ref_losses)
+    if not ok and first is not None and first[0] == 1 << 30:  # only the weights differ: every step agreed
+        causes.append(
+            f"every step's loss, gradient norm and logged metrics agree within {rtol:g}; only the final weights "
+            "differ: the optimizer amplifies the all-reduce's float rounding (Adam-type optimizers divide each "
+            "gradient component by its running scale, so a rounding difference in a near-zero component becomes a "
+            "full step). What is trained is the same. Fix: none needed; compare with weights_rtol= a bound of "
+            "about lr x steps, or check with SGD.")
+    return InvarianceReport(ok, causes, None if first is None else first[1], sizes, gaps)
 
 
 def _causes(runs: dict[int, list[dict[str, Any]]], ref_losses: dict[tuple[int, int], float]) -> list[str]:

@@ -15,7 +15,7 @@ run's step, split:
   over the global batch, as one process computes it.
 * **per-sample randomness** (:class:`KeyedSampleDataset`): torch's, numpy's and ``random``'s global
   generators are seeded from ``(root seed, epoch, sample index)`` before each ``dataset[i]``, in the main
-  process (its own streams put back afterwards) or in any worker: an augmentation drawn in
+  process (torch's stream put back afterwards) or in any worker: an augmentation drawn in
   ``__getitem__`` is the same whichever rank or worker loads the sample.
 * **dropout** (:func:`make_dropout_invariant`): an ``nn.Dropout``/``Dropout1d/2d/3d`` layer in training
   draws the mask of the whole global batch from a generator keyed by ``(root, epoch, step, layer, call)``
@@ -177,7 +177,7 @@ class InvariantLoader(DataLoader):  # type: ignore[type-arg]
         step = plan.first_step
         for batch in super().__iter__():
             share = plan.share(step)
-            self.shares.append(share if share.joined or len(set(share.sizes)) > 1 else None)
+            self.shares.append(share if share.applies else None)
             step += 1
             yield batch
 
@@ -188,9 +188,9 @@ class KeyedSampleDataset(Dataset[Any]):
 
     In the main process torch's state is put back after each sample (the training step's torch stream does not
     move) while numpy's and ``random``'s go on from the last sample's stream (saving them costs more than the
-    sample); in a worker they are left seeded (the worker draws nothing else). CPU generators only: a data set drawing CUDA random numbers is not
-    keyed. ``root`` is a
-    seed or an object with a ``root`` attribute read at each sample (a resumed run adopts its checkpoint's).
+    sample); in a worker they are left seeded (the worker draws nothing else). CPU generators only: a data set
+    drawing CUDA random numbers is not keyed. ``root`` is a seed or an object with a ``root`` attribute read at
+    each sample (a resumed run adopts its checkpoint's).
     """
 
     def __init__(self, dataset: Dataset[Any], root: Any) -> None:

@@ -86,6 +86,12 @@ class StepShare:
             return 1.0
         return len(self.sizes) * mine / total
 
+    @property
+    def applies(self) -> bool:
+        """The step needs its share applied: a rank ran out, or the ranks' batches differ in size (else the
+        step is an ordinary even one and its share is not queued)."""
+        return self.joined or len(set(self.sizes)) > 1
+
     def describe(self) -> str:
         """Which ranks ran out and after how many batches, e.g. ``"rank 1 ran out after 40 batches"``."""
         out = {r: d for r, d in enumerate(self.done_after) if d is not None}
@@ -301,7 +307,7 @@ class _Agreeing:
             if any(r[_NEEDS] for r in rows):
                 self._lend_stand_in(rows, batch)
         self.step += 1
-        owner.shares.append(share if share.joined or len(set(share.sizes)) > 1 else None)
+        owner.shares.append(share if share.applies else None)
         if has:
             self.count += 1
             owner._stand_in = (batch,)

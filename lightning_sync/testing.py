@@ -374,7 +374,7 @@ def _recorder(record: dict[str, Any]) -> Any:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             find = getattr(trainer.strategy, "part", None)
             part = find(WorldSizeInvariantPart) if callable(find) else None
-            rows = part.loader.plan.sizes(batch_idx)[part._rank] if part is not None and part.loader else 0
+            rows = part.loader.plan.sizes(batch_idx)[part.loader.plan.rank] if part is not None and part.loader else 0
             if isinstance(loss, torch.Tensor):
                 record["losses"].append((trainer.current_epoch, batch_idx, float(loss.detach()), rows))
             if _rng_fingerprint() != self._rng:

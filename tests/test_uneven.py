@@ -37,6 +37,7 @@ def test_step_share_scales_each_rank_to_the_mean_over_the_steps_samples() -> Non
     stand_in = StepShare(rank=1, step=13, sizes=(32, 0, 8), done_after=(None, 13, None))
     assert stand_in.shadow and stand_in.loss_scale == 0.0 and stand_in.live == 2
     assert stand_in.describe() == "rank 1 ran out after 13 batches"
+    assert (even.applies, partial.applies, joined.applies, stand_in.applies) == (False, True, True, True)
 
 
 def _agree(record: list[int]) -> list[list[int]]:

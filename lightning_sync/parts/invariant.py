@@ -38,7 +38,6 @@ class WorldSizeInvariantPart(Part):
         self.loader: InvariantLoader | None = None
         self.pending: dict[str, Any] | None = None  # a checkpoint's plan and position, until the loader exists
         self._quiet: Any = None
-        self._rank = 0
 
     def setup(self, strategy: Any, trainer: Any) -> None:
         module = strategy.lightning_module
@@ -64,7 +63,7 @@ class WorldSizeInvariantPart(Part):
             return dataloader
         shards = strategy.distributed_sampler_kwargs
         replicas = int(shards.get("num_replicas", strategy.world_size))
-        self._rank = rank = int(shards.get("rank", strategy.global_rank))
+        rank = int(shards.get("rank", strategy.global_rank))
         loader = invariant_loader(dataloader, replicas, rank, strategy.seed or 0, strategy.seed_lineage)
         pending, self.pending = self.pending, None
         if pending is not None:
@@ -177,7 +176,7 @@ class _InvariantSteps(pl.Callback):
             return
         plan = loader.plan
         sizes = plan.sizes(batch_idx)
-        rank = self.part._rank
+        rank = plan.rank
         set_dropout_step(DropoutStep(root=self.strategy.seed or 0, epoch=plan.epoch, step=batch_idx, rows=sum(sizes),
                                      offset=sum(sizes[:rank]), local=sizes[rank]))
 

@@ -6,6 +6,7 @@ every case is deterministic and takes milliseconds.
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -227,3 +228,32 @@ def test_a_ranks_store_traffic_is_flat_in_the_world_size() -> None:
     small, large = bench.measure(2, 30, 2), bench.measure(32, 30, 2)
     assert large["max"] <= small["max"] + 0.1 and small["mean"] <= 4, (small, large)
     assert large["store"] == pytest.approx(16 * small["store"], rel=0.05)
+
+
+def test_a_watchdog_thread_that_outlives_its_stop_ends_at_its_next_turn() -> None:
+    """A fork stops the thread and starts a new one after it; a thread whose join timed out (a slow turn) must not
+    go on turning beside its successor (one stop flag for both once let it: start() cleared it)."""
+    rank = ranks(1)[0]
+    monitor = rank.monitor
+    release, in_turn = threading.Event(), threading.Event()
+    turns: list[str] = []
+
+    def slow_turn() -> None:
+        turns.append(threading.current_thread().name + str(threading.get_ident()))
+        in_turn.set()
+        release.wait(10)
+
+    monitor.turn = slow_turn  # type: ignore[method-assign]
+    monitor.join_timeout = 0.1
+    monitor.start()
+    assert in_turn.wait(10)
+    first = monitor._thread
+    monitor.stop()  # the join times out: the first thread is still in its turn
+    assert first is not None and first.is_alive()
+    monitor.start()
+    release.set()
+    first.join(5)
+    assert not first.is_alive(), "the stopped thread went on beside its successor"
+    assert monitor.running
+    monitor.stop()
+    assert len({t for t in turns if str(first.ident) in t}) == 1

@@ -34,8 +34,8 @@ class _WatchdogThread(threading.Thread):
     """The watchdog's daemon thread. Its ``stop()`` ends the guard it belongs to: that is the method
     harnesses that find a left-over daemon thread call (Lightning's own test suite does)."""
 
-    def __init__(self, monitor: Monitor) -> None:
-        super().__init__(target=monitor._run, name="lightning_sync-guard", daemon=True)
+    def __init__(self, monitor: Monitor, stopped: threading.Event) -> None:
+        super().__init__(target=monitor._run, args=(stopped,), name="lightning_sync-guard", daemon=True)
         self._monitor = weakref.ref(monitor)
 
     def stop(self) -> None:
@@ -85,6 +85,8 @@ class Monitor:
         self.grace = grace if grace is not None else max(30.0, min(timeout, 120.0))
         self.kill_stopped = kill_stopped
         self.stale_after = min(timeout, max(2.0, 20 * interval))
+        #: how long ``stop()`` (and so a fork of this process) waits for a turn in progress to end
+        self.join_timeout = 5.0
         self._write = write
         self._lock = threading.Lock()
         self._failure: BaseException | None = None
@@ -124,8 +126,10 @@ class Monitor:
         return self._verified.get(stream, -1)
 
     def start(self) -> None:
-        self._stop.clear()
-        self._thread = _WatchdogThread(self)
+        # Each thread gets a stop event of its own: a thread that outlived its stop() (its join timed out in a
+        # busy turn, e.g. before a fork) still ends at its next turn instead of running beside its successor.
+        self._stop = threading.Event()
+        self._thread = _WatchdogThread(self, self._stop)
         self._thread.start()
 
     def wake(self) -> None:
@@ -138,7 +142,7 @@ class Monitor:
         thread = self._thread
         self._thread = None
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
+            thread.join(timeout=self.join_timeout)
 
     def leave(self) -> None:
         """Stop for good and tell the others this rank stopped guarding on purpose."""
@@ -168,12 +172,12 @@ class Monitor:
         self.recorder.reset_lock_after_fork()
         self._stop.set()
 
-    def _run(self) -> None:
+    def _run(self, stopped: threading.Event) -> None:
         while True:
             self._wake.wait(self.interval)
-            self._wake.clear()
-            if self._stop.is_set():
+            if stopped.is_set():
                 return
+            self._wake.clear()
             if self.group_alive is not None and not self.group_alive():
                 # Whoever destroyed the process group ended the run without tearing the guard down
                 # (a strategy set up and dropped, a test harness): stop guarding instead of lingering.

@@ -1,6 +1,7 @@
 """A 2-rank fit that makes one classic DDP mistake (or none); each rank writes OUT/rank{r}.json.
 
 python tests/scripts/fit_guard.py --out DIR --scenario NAME [--no-guard] [--guard-timeout S] [--workers N] [--epochs E]
+       [--dump-after S]
 
 --no-guard: ddp_sync with guard=False and no ParameterConsistencyCheck (what happens without them).
 
@@ -13,6 +14,7 @@ uneven_batches="stop_together"), uneven, buffer_drift.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import time
@@ -97,7 +99,11 @@ def main() -> None:
     parser.add_argument("--check-every", type=int, default=1)
     parser.add_argument("--workers", type=int, default=0, help="forked data-loader workers per loader")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--dump-after", type=float, default=0.0,
+                        help="write every thread's Python stack to stderr if the process still runs after S seconds")
     args = parser.parse_args()
+    if args.dump_after > 0:
+        faulthandler.dump_traceback_later(args.dump_after, exit=False)
     scenario = args.scenario
     torch.manual_seed(1234 + (RANK if scenario == "warnings" else 0))  # "warnings": unsynchronised seeds
     n = 40 + (8 * RANK if scenario in ("uneven", "warnings") else 0)  # rank 1 has one more batch

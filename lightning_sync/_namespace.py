@@ -174,6 +174,8 @@ _PL_NAMES: tuple[tuple[str, str, dict[str, object], str], ...] = (
      "ddp_sync for Jupyter notebooks (ranks forked, like ddp_notebook)"),
     ("model_parallel_sync", "SyncModelParallelStrategy", {},
      "ModelParallelStrategy (FSDP2) with lightning_sync's parts"),
+    ("ddp_sync_ft", "FaultTolerantDDPStrategy", {"start_method": "popen"},
+     "ddp_sync in each replica group, torchft across groups (lsync-ft-run)"),
 )
 
 

@@ -251,7 +251,9 @@ class SeedLineage:
             self.origin = "the checkpoint being resumed"
             self.local_seeds = [self.root] * len(self.local_seeds)  # the agreed one is replaced on every rank
         states = state.get("rng_states") or []
-        if state.get("world_size") == self.world_size and rank < len(states):
+        if state.get("new_streams"):  # another process's state (a live replica group's): streams of this rank's own
+            self._resumed_at = int(state.get("global_step") or 0)
+        elif state.get("world_size") == self.world_size and rank < len(states):
             self._pending_rng = states[rank]
         else:
             self._resumed_at = int(state.get("global_step") or 0)

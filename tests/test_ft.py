@@ -1,13 +1,18 @@
-"""Fault tolerance across replica groups (issue 43): ``lsync-ft-run`` and torchft's manager bound to loopback.
+"""Fault tolerance across replica groups (issue 43): ``lsync-ft-run``, torchft's manager bound to loopback, and
+``strategy="ddp_sync_ft"`` (``FaultTolerantDDPStrategy``).
 
 Real processes: torchft's lighthouse (in lsync-ft-run's process, on 127.0.0.1), two replica groups of
-tests/scripts/ft_replica.py (torchft's Manager through ``lightning_sync.ft.replica_context``). A group killed
-mid-run is restarted by lsync-ft-run, heals from the live group (no checkpoint file) and both end with the same
-weights, while the other group never stopped; a group that fails in every life is named with its causes.
+tests/scripts/ft_replica.py (torchft's Manager through ``lightning_sync.ft.replica_context``) or of
+tests/scripts/fit_ft.py (a Lightning fit under ``ddp_sync_ft``). A group killed mid-run is restarted by
+lsync-ft-run, recovers from the live group (no checkpoint file) and both end with the same weights, while the
+other group never stopped; under ``ddp_sync_ft`` with ``--min-replicas 2`` the run with the kill ends with the
+weights of Lightning's 2-rank ``ddp_sync`` run, bit for bit; a group that fails in every life is named with its
+causes.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +21,28 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).parent / "scripts" / "ft_replica.py"
+FIT = Path(__file__).parent / "scripts" / "fit_ft.py"
 
 
-def _ft_run(out: Path, ft_args: list[str], script_args: list[str], timeout: int = 180) -> subprocess.CompletedProcess[str]:
+def _ft_run(out: Path, ft_args: list[str], script_args: list[str], timeout: int = 180,
+            script: Path = SCRIPT) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "lightning_sync.ft.launch", *ft_args, "--",
-           sys.executable, str(SCRIPT), "--out", str(out), *script_args]
+           sys.executable, str(script), "--out", str(out), *script_args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 20)
+
+
+def _control(out: Path, *args: str) -> torch.Tensor:
+    """Lightning's 2-rank ddp_sync run of fit_ft.py's model, seed and data: what the replica groups train."""
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["timeout", "-k", "5", "150", sys.executable, str(FIT), "--out", str(out), "--control", *args],
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out / "group0.pt")["weights"]
+
+
+def _steps(out: Path, group: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"group{group}.log").read_text().splitlines()]
 
 
 def _log(out: Path, group: int) -> list[tuple[int, int, int, int]]:
@@ -86,3 +106,94 @@ def test_outside_a_replica_group_the_context_says_how_to_start_one() -> None:
 
     with pytest.raises(RuntimeError, match="lsync-ft-run --replicas R -- CMD"):
         ReplicaGroup.from_env({})
+
+
+# ---------------------------------------------------------------------------------------- strategy="ddp_sync_ft"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_replica_groups_train_what_two_ddp_ranks_train(tmp_path: Path) -> None:
+    """No fault: each group (one process, devices=1) takes the shard a rank of a 2-rank run takes and its own
+    dropout stream; the gradients are averaged over the quorum: the weights of ddp_sync's 2-rank run, bit for bit."""
+    proc = _ft_run(tmp_path / "ft", ["--replicas", "2"], ["--steps", "24"], script=FIT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    first, second = torch.load(tmp_path / "ft" / "group0.pt"), torch.load(tmp_path / "ft" / "group1.pt")
+    assert torch.equal(first["weights"], second["weights"])
+    assert torch.equal(first["weights"], _control(tmp_path / "control", "--steps", "24"))
+    assert first["report"] == {"committed": 24, "redone": 0, "caught_up": 0, "missing_shards": 0, "healed": 0,
+                               "participants": 2}
+    assert "ddp_sync_ft: replica group 0 (life 0): 24 steps committed, 0 run again" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.alone  # a SIGKILL and a restart: nothing else competing for the cores while the survivor waits
+@pytest.mark.timeout(360)
+def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(tmp_path: Path) -> None:
+    """--min-replicas 2: the survivor's step that the kill interrupted is run again once the restarted group is
+    back; the restarted group's fit (no ckpt_path) is restored from the survivor's checkpoint at that step,
+    sent by torchft (weights, optimizer, loops, data position): the run ends, across an epoch boundary, with the
+    weights of the 2-rank ddp_sync run without a fault, bit for bit (no dropout: the lost group's random
+    stream died with it)."""
+    proc = _ft_run(tmp_path / "ft", ["--replicas", "2", "--min-replicas", "2"],
+                   ["--steps", "40", "--kill-at", "10", "--dropout", "0"], script=FIT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "replica group 1 ended (killed by SIGKILL); restarting it (restart 1 of 3)" in proc.stderr
+    assert "ddp_sync_ft: replica group 1 (life 1) recovers from a live group at step 10 (global step 10)" in proc.stderr
+    first, second = torch.load(tmp_path / "ft" / "group0.pt"), torch.load(tmp_path / "ft" / "group1.pt")
+    assert (first["life"], second["life"], first["global_step"], second["global_step"]) == (0, 1, 40, 40)
+    assert torch.equal(first["weights"], second["weights"])
+    assert torch.equal(first["weights"], _control(tmp_path / "control", "--steps", "40", "--dropout", "0"))
+    assert first["report"]["redone"] == 1 and first["report"]["missing_shards"] == 0
+    assert second["report"]["healed"] == 1 and second["report"]["committed"] == 30
+    survivor = _steps(tmp_path / "ft", 0)
+    assert [r["step"] for r in survivor] == list(range(1, 41))  # every step once, in order: none skipped
+    restarted = [r for r in _steps(tmp_path / "ft", 1) if r["life"] == 1]
+    assert [r["step"] for r in restarted] == list(range(11, 41))
+    assert [r["batch"] for r in restarted] == [r["batch"] for r in _steps(tmp_path / "control", 1)][10:]
+
+
+@pytest.mark.slow
+@pytest.mark.alone
+@pytest.mark.timeout(300)
+def test_a_survivor_training_alone_counts_the_shards_it_could_not_train(tmp_path: Path) -> None:
+    """--min-replicas 1: the survivor goes on alone while the lost group restarts; the missing group's shards
+    are counted (never silent), the count goes on in the recovered group, and both end equal."""
+    proc = _ft_run(tmp_path, ["--replicas", "2", "--heartbeat-timeout-ms", "1000"],
+                   ["--steps", "40", "--kill-at", "10", "--alone-sleep", "0.5"], script=FIT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    first, second = torch.load(tmp_path / "group0.pt"), torch.load(tmp_path / "group1.pt")
+    assert torch.equal(first["weights"], second["weights"])
+    alone = [r for r in _steps(tmp_path, 0) if r["participants"] == 1]
+    assert alone and first["report"]["missing_shards"] == len(alone) == second["report"]["missing_shards"]
+    assert f"{len(alone)} data shards of missing groups not trained" in proc.stderr
+    logged = _steps(tmp_path, 0)[-1]
+    assert logged["missing_shards"] == len(alone)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_replica_groups_without_a_common_seed_are_refused_before_training(tmp_path: Path) -> None:
+    proc = _ft_run(tmp_path, ["--replicas", "1", "--max-restarts", "0"], ["--steps", "4", "--no-seed"], script=FIT)
+    assert proc.returncode == 1
+    assert "every replica group must start from the same root seed" in proc.stderr
+    assert "FaultTolerantDDPStrategy(seed=N) or call lightning.seed_everything(N)" in proc.stderr
+    assert not (tmp_path / "group0.log").exists()  # not one step
+
+
+def test_ddp_sync_ft_outside_a_replica_group_and_bad_arguments_say_how_to_fix_them(monkeypatch) -> None:
+    import lightning_sync as ls
+
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="lsync-ft-run --replicas R -- CMD"):
+        ls.FaultTolerantDDPStrategy()
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="find_unused_parameters=True and static_graph=False"):
+        ls.FaultTolerantDDPStrategy(static_graph=True)
+    with pytest.raises(ValueError, match="min_replicas=0"):
+        ls.FaultTolerantDDPStrategy(min_replicas=0)
+    strategy = ls.FaultTolerantDDPStrategy()
+    assert strategy.min_replicas == 1 and strategy.seed_stream_rank == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -274,4 +275,27 @@ def test_sbatch_requeue_signal_resumes_to_the_uninterrupted_result(cluster: Clus
     result = summary(run, output)
     assert result["world_size"] == reference["world_size"] == 2, (result, reference)
     assert result["val_acc"] == reference["val_acc"], (result, reference)  # exact, not approximately
+    assert _wait_idle(cluster, 60), {**_node_pids(cluster, "n0"), **_node_pids(cluster, "n1")}
+
+
+# ------------------------------------------------------------------ replica groups on torchft, one per node
+
+
+def test_sbatch_ft_recipe_a_group_killed_on_its_node_recovers_from_the_other(cluster: Cluster, tmp_path: Path) -> None:
+    """recipes/launch_slurm_ft.sbatch on 2 nodes: torchft's lighthouse on n0's address, one `lsync-ft-run --group
+    g` job step per node. Group 1 (on n1) SIGKILLs itself after step 8; lsync-ft-run restarts it on n1, it
+    recovers from group 0 across the link, and (MIN_REPLICAS=2: no step alone) both end with the same weights."""
+    import sys
+
+    assert _wait_idle(cluster, 60), "leftovers from an earlier test"
+    job = cluster.sbatch(RECIPES / "launch_slurm_ft.sbatch", sys.executable, str(RECIPES / "fault_tolerant_ddp.py"),
+                         "--kill-at", "8", "--max-steps", "20", env={"MIN_REPLICAS": "2"}, timeout=300)
+    (tmp_path / "output.txt").write_text(job.output)  # to read after a failure
+    assert job.exit_code == 0, job.output[-6000:]
+    assert f"lighthouse {cluster.addr['n0']}:" in job.output, job.output[-3000:]
+    assert "lsync-ft-run: replica group 1 ended (killed by SIGKILL); restarting it" in job.output, job.output[-6000:]
+    assert "ddp_sync_ft: replica group 1 (life 1) recovers from a live group at step 8" in job.output
+    checksums = dict(re.findall(r"replica group (\d) \(life \d\): step 20, weights checksum (\S+)", job.output))
+    assert sorted(checksums) == ["0", "1"] and checksums["0"] == checksums["1"], job.output[-6000:]
+    assert "lsync-ft: every replica group ended (exit 0)" in job.output
     assert _wait_idle(cluster, 60), {**_node_pids(cluster, "n0"), **_node_pids(cluster, "n1")}

@@ -50,6 +50,7 @@ RUNS: dict[str, str] = {
     "fsdp2.py": "test_fsdp2_validation_equals_one_process_under_model_parallel_sync",
     "uneven_streams.py": "test_uneven_streams_train_every_sample_where_ddp_hangs",
     "world_size_invariance.py": "test_world_size_invariance_one_two_three_ranks_and_the_summed_loss",
+    "fault_tolerant_ddp.py": "test_fault_tolerant_ddp_a_killed_group_recovers_and_both_end_equal",
 }
 
 
@@ -100,7 +101,7 @@ def test_every_recipe_is_tested_and_opens_with_its_commands() -> None:
     for name in scripts:
         source = (RECIPES / name).read_text()
         doc = ast.get_docstring(ast.parse(source)) or ""
-        commands = [line.strip() for line in doc.splitlines() if re.match(r"\s*(python|torchrun) ", line)]
+        commands = [line.strip() for line in doc.splitlines() if re.match(r"\s*(python|torchrun|lsync-ft-run) ", line)]
         assert commands, f"{name}: the docstring must open with the exact launch commands"
         for command in commands:
             assert f"recipes/{name}" in command, f"{name}: {command!r} does not run this recipe"
@@ -300,6 +301,21 @@ def test_world_size_invariance_one_two_three_ranks_and_the_summed_loss(tmp_path:
     assert "world-size invariance: FAILED (1 rank vs 2 ranks)" in out and "the loss is summed over the batch" in out
     found = re.search(rf"the global batch's loss is {NUM} on 1 rank, {NUM} on 2 ranks", out)
     assert found and float(found.group(1)) == pytest.approx(2 * float(found.group(2)), rel=1e-4), out
+
+
+@pytest.mark.slow
+@ONE_RUN
+def test_fault_tolerant_ddp_a_killed_group_recovers_and_both_end_equal(tmp_path: Path) -> None:
+    out = run([sys.executable, "-m", "lightning_sync.ft.launch", "--replicas", "2", "--min-replicas", "2", "--",
+               sys.executable, str(RECIPES / "fault_tolerant_ddp.py"), "--kill-at", "8", "--max-steps", "20"], tmp_path)
+    lines = {int(m.group(1)): m for m in re.finditer(
+        r"replica group (\d) \(life (\d)\): step (\d+), weights checksum (\S+), committed (\d+), run again (\d+), "
+        r"missing shards (\d+), recovered (\d+)", out)}
+    assert sorted(lines) == [0, 1], out
+    survivor, restarted = lines[0], lines[1]
+    assert survivor.group(2, 3, 5, 6, 7, 8) == ("0", "20", "20", "1", "0", "0"), out
+    assert restarted.group(2, 3, 5, 7, 8) == ("1", "20", "12", "0", "1"), out
+    assert survivor.group(4) == restarted.group(4), out  # the same weights
 
 
 def header_commands() -> list[str]:

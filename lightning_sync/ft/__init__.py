@@ -9,7 +9,7 @@ torchft's ``Manager`` bound to the group's own address (loopback on one machine)
 
 Environment each group gets from ``lsync-ft-run``: ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``,
 ``TORCHFT_LIGHTHOUSE`` (torchft's), ``LSYNC_FT_RESTART`` (0 in a group's first life, then 1, 2, ...) and
-``LSYNC_FT_HOST`` (the address its servers bind to).
+``LSYNC_FT_HOST`` (the address its servers bind to) and ``LSYNC_FT_MIN_REPLICAS`` (``--min-replicas``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import Any
 
 __all__ = ["ReplicaContext", "ReplicaGroup", "replica_context", "require_torchft"]
 
-ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, ENV_RESTART, ENV_HOST = (
-    "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE", "LSYNC_FT_RESTART", "LSYNC_FT_HOST")
+ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, ENV_RESTART, ENV_HOST, ENV_MIN = (
+    "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE", "LSYNC_FT_RESTART", "LSYNC_FT_HOST",
+    "LSYNC_FT_MIN_REPLICAS")
 
 
 def require_torchft() -> None:
@@ -46,6 +47,7 @@ class ReplicaGroup:
     restart: int
     lighthouse: str
     host: str
+    min_replicas: int = 1
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaGroup:
@@ -56,7 +58,8 @@ class ReplicaGroup:
                 f"not inside a replica group: {', '.join(missing)} not set. Start the training command under "
                 "lsync-ft-run --replicas R -- CMD ... (or set them as lsync-ft-run does: docs/fault_tolerance.md).")
         return cls(group_id=int(env[ENV_GROUP]), num_groups=int(env[ENV_GROUPS]), restart=int(env.get(ENV_RESTART, 0)),
-                   lighthouse=env[ENV_LIGHTHOUSE], host=env.get(ENV_HOST, "127.0.0.1"))
+                   lighthouse=env[ENV_LIGHTHOUSE], host=env.get(ENV_HOST, "127.0.0.1"),
+                   min_replicas=int(env.get(ENV_MIN, 1) or 1))
 
 
 @dataclass
@@ -76,12 +79,13 @@ class ReplicaContext:
 def replica_context(state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None], *,
                     min_replica_size: int = 1, timeout: timedelta = timedelta(seconds=30),
                     quorum_timeout: timedelta = timedelta(seconds=120), use_async_quorum: bool = True,
-                    group: ReplicaGroup | None = None) -> ReplicaContext:
+                    init_sync: bool = True, group: ReplicaGroup | None = None) -> ReplicaContext:
     """torchft's ``Manager`` for this one-process replica group: its own TCP store and manager server on the
     group's host (``LSYNC_FT_HOST``, loopback by default), torchft's gloo process group across groups, and the
     recovery state sent over that process group (no HTTP server). ``state_dict`` / ``load_state_dict``: what a
     restarted group takes from a live peer (the weights, the optimizer state, and anything else that must be
-    equal: a step counter, the data position)."""
+    equal: a step counter, the data position). ``init_sync``: torchft's (groups at step 0 take the weights of
+    one of them; ``False`` where every group builds the same weights from one seed)."""
     require_torchft()
     import torch
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
@@ -102,6 +106,7 @@ def replica_context(state_dict: Callable[[], dict[str, Any]], load_state_dict: C
     with manager_server_bound_to(group.host):
         manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
                           min_replica_size=min_replica_size, use_async_quorum=use_async_quorum, timeout=timeout,
+                          init_sync=init_sync,
                           quorum_timeout=quorum_timeout, connect_timeout=timeout, rank=0, world_size=1,
                           store_addr=group.host, store_port=port, lighthouse_addr=group.lighthouse,
                           replica_id=f"replica_{group.group_id}", hostname=group.host, checkpoint_transport=transport)

@@ -1,10 +1,12 @@
 """``lsync-ft-run``: torchft's lighthouse, R replica groups, and a restart for a group that dies.
 
     lsync-ft-run --replicas R [--min-replicas M] [--max-restarts K] [--nproc-per-replica P]
-                 [--lighthouse HOST:PORT] [--host ADDR] -- CMD ...
+                 [--lighthouse HOST:PORT] [--host ADDR] [--group G] -- CMD ...
 
 Without ``--lighthouse`` a lighthouse is started in this process, bound to ``--host`` (127.0.0.1 by default:
-one machine); with it, the groups join that one (a lighthouse shared by several machines). Each group runs
+one machine); with it, the groups join that one (a lighthouse shared by several machines). ``--group G`` (with
+``--lighthouse``) starts group ``G`` of the ``R`` only: one ``lsync-ft-run`` per machine, e.g. one SLURM step per
+group (``recipes/launch_slurm_ft.sbatch``). Each group runs
 ``CMD`` (``P > 1``: under ``torchrun --nproc-per-node P``) in a session of its own with ``REPLICA_GROUP_ID``,
 ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``, ``LSYNC_FT_RESTART`` (0 in its first life, then 1, 2, ...),
 ``LSYNC_FT_HOST`` and a ``MASTER_ADDR``/``MASTER_PORT`` of its own. A group that exits non-zero (or is
@@ -63,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-replica", type=int, default=1, help="processes of each group (P > 1: torchrun)")
     p.add_argument("--lighthouse", default=None, help="HOST:PORT of a running lighthouse (default: start one)")
     p.add_argument("--host", default="127.0.0.1", help="address the lighthouse and the groups' servers bind to")
+    p.add_argument("--group", type=int, default=None,
+                   help="start only replica group G of the R (with --lighthouse): one lsync-ft-run per machine")
     p.add_argument("--heartbeat-timeout-ms", type=int, default=5000,
                    help="lighthouse: a group silent this long is out of the quorum")
     p.add_argument("--join-timeout-ms", type=int, default=10000,
@@ -87,7 +91,7 @@ def _spawn(group: _Group, args: argparse.Namespace, lighthouse: str) -> None:
     port = _free_port(args.host)
     env = dict(os.environ, REPLICA_GROUP_ID=str(group.index), NUM_REPLICA_GROUPS=str(args.replicas),
                TORCHFT_LIGHTHOUSE=lighthouse, LSYNC_FT_RESTART=str(group.restarts), LSYNC_FT_HOST=args.host,
-               MASTER_ADDR=args.host, MASTER_PORT=str(port))
+               LSYNC_FT_MIN_REPLICAS=str(args.min_replicas), MASTER_ADDR=args.host, MASTER_PORT=str(port))
     if args.host in ("127.0.0.1", "localhost") and "GLOO_SOCKET_IFNAME" not in env:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pairs on loopback, whatever the hostname resolves to
     command = list(args.command)
@@ -135,14 +139,21 @@ def main(argv: list[str] | None = None) -> int:
                      "ever commit.")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0; got {args.max_restarts}.")
+    if args.group is not None and not 0 <= args.group < args.replicas:
+        parser.error(f"--group {args.group}: a replica group is 0 .. {args.replicas - 1} (--replicas {args.replicas}).")
+    if args.group is not None and not args.lighthouse:
+        parser.error(f"--group {args.group} starts one group of {args.replicas}: give the lighthouse the others join "
+                     "too, --lighthouse HOST:PORT (torchft_lighthouse --bind HOST:PORT on one machine).")
     server = None
     if args.lighthouse:
         lighthouse = args.lighthouse if "://" in args.lighthouse else f"http://{args.lighthouse}"
     else:
         server, lighthouse = _start_lighthouse(args)
-    print(f"lsync-ft-run: lighthouse {lighthouse}; {args.replicas} replica groups of {args.nproc_per_replica} "
+    indices = range(args.replicas) if args.group is None else [args.group]
+    which = f"{args.replicas} replica groups" if args.group is None else f"replica group {args.group} of {args.replicas}"
+    print(f"lsync-ft-run: lighthouse {lighthouse}; {which} of {args.nproc_per_replica} "
           f"process(es), up to {args.max_restarts} restarts each", file=sys.stderr, flush=True)
-    groups = [_Group(i) for i in range(args.replicas)]
+    groups = [_Group(i) for i in indices]
     stopping: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -196,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(causes in order: {', '.join(g.causes)})", file=sys.stderr)
         return 1
     restarted = [g for g in groups if g.restarts]
-    print(f"lsync-ft-run: all {len(groups)} replica groups finished"
+    print(f"lsync-ft-run: all {len(groups)} replica group{'s' if len(groups) > 1 else ''} finished"
           + (f"; restarted: {', '.join(f'group {g.index} x{g.restarts}' for g in restarted)}" if restarted else ""),
           file=sys.stderr)
     return 0

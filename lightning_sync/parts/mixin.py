@@ -315,14 +315,19 @@ class SyncStrategyMixin:
         return out
 
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
-        # Lightning passes weights_only from 2.6.0 on; older ones have no such parameter.
-        checkpoint: dict[str, Any] = super().load_checkpoint(  # type: ignore[misc]
-            checkpoint_path, **_compat.load_checkpoint_kwargs(weights_only))
+        checkpoint = self._read_checkpoint(checkpoint_path, weights_only)
         trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
         fitting = trainer is not None and trainer.state.fn == "fit"
         directory = self.sharded_checkpoint_directory(checkpoint_path, saving=False)
         for p in self._parts:
             p.on_load_checkpoint(self, checkpoint, fitting, directory)
+        return checkpoint
+
+    def _read_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None) -> dict[str, Any]:
+        """The checkpoint at ``checkpoint_path`` (a strategy may read it from elsewhere: a live peer)."""
+        # Lightning passes weights_only from 2.6.0 on; older ones have no such parameter.
+        checkpoint: dict[str, Any] = super().load_checkpoint(  # type: ignore[misc]
+            checkpoint_path, **_compat.load_checkpoint_kwargs(weights_only))
         return checkpoint
 
     def sharded_checkpoint_directory(self, path: PathLike, saving: bool) -> Path | None:

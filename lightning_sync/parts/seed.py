@@ -10,7 +10,14 @@ from lightning_sync._compat import lightning_api as _compat
 from lightning_sync.parts.base import Part
 from lightning_sync.seeding import SeedLineage, WorkerSeeder
 
-__all__ = ["SeedLineagePart"]
+__all__ = ["SeedLineagePart", "stream_rank"]
+
+
+def stream_rank(strategy: Any) -> int:
+    """The rank a process's random streams derive from: its global rank, or, where processes of different
+    process groups train one model (``FaultTolerantDDPStrategy``'s replica groups), its rank across them
+    (``strategy.seed_stream_rank``)."""
+    return int(getattr(strategy, "seed_stream_rank", strategy.global_rank))
 
 
 class SeedLineagePart(Part):
@@ -43,11 +50,11 @@ class SeedLineagePart(Part):
         if self._announced != self.lineage.root:  # one banner, naming the seed the run uses
             self._announced = self.lineage.root
             rank_zero_info(self.lineage.describe())
-        self.lineage.seed_rank_streams(strategy.global_rank)
+        self.lineage.seed_rank_streams(stream_rank(strategy))
 
     def process_dataloader(self, strategy: Any, dataloader: Any, trainer: Any) -> Any:
         if self.lineage is not None and getattr(dataloader, "worker_init_fn", "absent") is None:
-            dataloader.worker_init_fn = WorkerSeeder(self.lineage, strategy.global_rank)
+            dataloader.worker_init_fn = WorkerSeeder(self.lineage, stream_rank(strategy))
         return dataloader
 
     def configure_launcher(self, strategy: Any) -> None:

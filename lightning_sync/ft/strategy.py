@@ -1,0 +1,424 @@
+"""``FaultTolerantDDPStrategy`` (``"ddp_sync_ft"``): ``ddp_sync`` in each replica group, torchft across them.
+
+Each replica group is one ordinary Lightning process (``devices=1``) started by ``lsync-ft-run``. Across
+the groups, torchft's ``Manager`` decides every step who takes part:
+
+- a quorum of the live groups is formed at each step boundary (after the previous step's optimizer step,
+  where a Lightning checkpoint would be written; the first one before the first batch);
+- DDP's gradient buckets are averaged over the quorum through torchft's reconfigurable process group (a
+  DDP communication hook that waits for torchft's all-reduce);
+- the optimizer steps only if torchft commits the step (``should_commit``); a step it does not commit (a
+  group was lost in it) is run again on the same batch, with the same random numbers, by the groups of a new
+  quorum;
+- a group restarted by ``lsync-ft-run`` (``LSYNC_FT_RESTART`` > 0) resumes from a live group, not from a
+  file: its ``fit`` without ``ckpt_path`` joins a quorum first, torchft sends it the Lightning checkpoint of
+  a live group at that step boundary (weights, optimizer, loops, data position, RNG states) and Lightning
+  restores it as it restores a file.
+
+The training data is split across groups (group ``g`` of ``R`` reads shard ``g``); the shards of groups
+missing from a step are not trained in that step. They are counted (``trainer.strategy.ft_report``, the
+logged ``ft/participants`` and ``ft/missing_shards``, a line at the end of ``fit``), never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_sync._compat import lightning_api as _compat
+from lightning_sync._compat.lightning_api import PathLike
+from lightning_sync.errors import LightningSyncError
+from lightning_sync.ft import ReplicaContext, ReplicaGroup, replica_context, require_torchft
+from lightning_sync.parts.base import Part
+from lightning_sync.seeding import CHECKPOINT_KEY
+from lightning_sync.strategy import SyncDDPStrategy
+
+__all__ = ["FaultTolerantDDPStrategy", "FT_PEER"]
+
+log = logging.getLogger(__name__)
+
+#: the ``ckpt_path`` a restarted replica group's ``fit`` gets: the checkpoint comes from a live group
+FT_PEER = "torchft:live-replica-group"
+_REPORT_KEY = "lightning_sync_ft"  # in the checkpoint a recovering group is sent: the run's counts
+
+
+class _LivePeerCheckpoint(str):
+    """``FT_PEER`` as the restarted group's ``ckpt_path``: false (Lightning then loads nothing) once the recovery
+    quorum found no live group ahead of this one (every group is still at its first step: nothing to recover)."""
+
+    outcome = "pending"  # "pending" until the recovery quorum ran, then "received" or "none"
+
+    def __bool__(self) -> bool:
+        return self.outcome != "none"
+
+
+class FaultTolerantDDPStrategy(SyncDDPStrategy):
+    """``SyncDDPStrategy`` in each replica group, and torchft across the groups: a lost group stops nothing
+    (the others go on at the next step) and a restarted one resumes from a live group. Run under
+    ``lsync-ft-run --replicas R -- python train.py`` with ``Trainer(strategy="ddp_sync_ft", devices=1)``.
+
+    Accepts every :class:`~lightning_sync.SyncDDPStrategy` argument (a ``seed`` every group knows is required:
+    pass ``seed=`` or call ``seed_everything``), plus:
+
+    Args:
+        min_replicas: the fewest groups a step may commit with (default: ``lsync-ft-run --min-replicas``, 1: one
+            survivor trains on; the number of groups: every step waits for a lost group's replacement, and no
+            data shard is ever skipped).
+        timeout: seconds torchft waits for an all-reduce, a commit or a recovery (default 30).
+        quorum_timeout: seconds a step boundary waits for a quorum (default 120).
+        max_step_retries: how many times in a row a step that is not committed is run again before the run
+            stops with an error (default 10).
+    """
+
+    strategy_name = "ddp_sync_ft"
+
+    def __init__(self, *args: Any, min_replicas: int | None = None, timeout: float = 30.0,
+                 quorum_timeout: float = 120.0, max_step_retries: int = 10, **kwargs: Any) -> None:
+        require_torchft()
+        if min_replicas is not None and min_replicas < 1:
+            raise ValueError(f"FaultTolerantDDPStrategy(min_replicas={min_replicas}): at least 1.")
+        if max_step_retries < 0:
+            raise ValueError(f"FaultTolerantDDPStrategy(max_step_retries={max_step_retries}): 0 or more.")
+        self.replica_group = ReplicaGroup.from_env()
+        self.min_replicas = min_replicas if min_replicas is not None else self.replica_group.min_replicas
+        self.ft_timeout = timedelta(seconds=timeout)
+        self.quorum_timeout = timedelta(seconds=quorum_timeout)
+        self.max_step_retries = max_step_retries
+        if kwargs.get("static_graph") or kwargs.get("find_unused_parameters") is False:
+            raise ValueError(
+                "FaultTolerantDDPStrategy: DDP must keep its first gradient bucket layout (a recovering group's "
+                "buckets are summed element by element with the others'), which it does only with "
+                "find_unused_parameters=True and static_graph=False (torchft's DDP does the same): drop those "
+                "arguments.")
+        kwargs["find_unused_parameters"] = True
+        super().__init__(*args, **kwargs)
+        self._init_parts([*self.parts[:-1], _FaultTolerancePart(self), self.parts[-1]])
+        self._ctx: ReplicaContext | None = None
+        self._quorum_open = False
+        self._restoring = False
+        self._received: dict[str, Any] | None = None
+        self._peer_checkpoint: _LivePeerCheckpoint | None = None  # a restarted group's fit: where it recovers from
+        self._boundary: dict[str, Any] = {}  # the position entries of a checkpoint at the last step boundary
+        #: what torchft decided so far in this group's life (see ``docs/fault_tolerance.md``)
+        self.ft_report: dict[str, int] = {"committed": 0, "redone": 0, "caught_up": 0, "missing_shards": 0,
+                                          "healed": 0, "participants": 0}
+
+    # ------------------------------------------------------------------ replica group and data
+
+    @property
+    def seed_stream_rank(self) -> int:
+        """The rank this process's random streams derive from: its rank across every replica group."""
+        return self.replica_group.group_id * self.world_size + self.global_rank
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(super().distributed_sampler_kwargs)
+        trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
+        if trainer is not None and trainer.training:
+            # the training data is split across every replica group's ranks; evaluation stays in the group
+            groups = self.replica_group.num_groups
+            kwargs["num_replicas"] = int(kwargs.get("num_replicas", self.world_size)) * groups
+            kwargs["rank"] = self.replica_group.group_id * self.world_size + int(kwargs.get("rank", self.global_rank))
+        return kwargs
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        if self.world_size != 1:
+            raise LightningSyncError(
+                f"ddp_sync_ft runs one process per replica group (this group has {self.world_size}): pass "
+                "Trainer(devices=1, num_nodes=1) and start R groups with lsync-ft-run --replicas R. Several "
+                "processes per group (--nproc-per-replica) are not supported by the strategy yet.")
+        lineage = self.seed_lineage
+        if lineage is not None and lineage.origin == "entropy":
+            raise LightningSyncError(
+                "ddp_sync_ft: every replica group must start from the same root seed (the groups split the training "
+                "data by it, and build the same model from it), but none was given, so each group drew its own. "
+                "Pass FaultTolerantDDPStrategy(seed=N) or call lightning.seed_everything(N) before building the "
+                "model, with the same N in every group.")
+        trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
+        if self._ctx is None and trainer is not None and trainer.state.fn == "fit":
+            self._ctx = replica_context(self._state_for_peer, self._load_from_peer, min_replica_size=self.min_replicas,
+                                        timeout=self.ft_timeout, quorum_timeout=self.quorum_timeout,
+                                        use_async_quorum=False, init_sync=False, group=self.replica_group)
+            peer = self._peer_checkpoint
+            if peer is not None and peer.outcome == "pending":
+                self._join(peer)
+
+    @property
+    def manager(self) -> Any:
+        """torchft's ``Manager`` of this replica group (during ``fit``)."""
+        if self._ctx is None:
+            raise LightningSyncError("ddp_sync_ft: torchft's manager exists only while fit runs.")
+        return self._ctx.manager
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        if self._ctx is None or self.model is None:
+            return
+        model: Any = self.model  # DistributedDataParallel
+        try:
+            model.register_comm_hook(self, _replica_allreduce_hook)
+        except RuntimeError as err:
+            raise LightningSyncError(
+                f"ddp_sync_ft averages gradients across replica groups in DDP's communication hook, but the model "
+                f"has one already ({err}). Drop DDPStrategy(ddp_comm_hook=...) under ddp_sync_ft.") from err
+
+    # ------------------------------------------------------------------ quorum, commit, recovery
+
+    def start_quorum(self) -> None:
+        """Join the quorum of the next step (torchft's, synchronous: a group that needs recovery is sent a live
+        group's state before this returns)."""
+        self.manager.start_quorum()
+        self._quorum_open = True
+
+    def mark_step_boundary(self, trainer: Any) -> None:
+        """Keep the position entries of the checkpoint this group would write now (loops, data position, RNG
+        states: no tensor of the model), the step boundary a recovering group is sent even when the quorum that
+        asks for it is formed later, inside the next step (a step run again)."""
+        boundary: dict[str, Any] = {"epoch": trainer.current_epoch, "global_step": trainer.global_step,
+                                    "loops": _compat.loops_state(trainer)}
+        for p in self.parts:
+            p.on_save_checkpoint(self, boundary, None)
+        self._boundary = boundary
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._ctx is not None and not self._quorum_open:
+            self.start_quorum()
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._ctx is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
+        if trainer is not None and trainer.accumulate_grad_batches != 1:
+            raise LightningSyncError("ddp_sync_ft: accumulate_grad_batches > 1 is not supported yet (torchft commits "
+                                     "every optimizer step); pass a larger batch instead.")
+        manager = self.manager
+        rng = _rng_state()
+        failures = 0
+        while True:
+            if not self._quorum_open:  # a step run again: a new quorum of the groups still alive
+                _set_rng_state(rng)
+                healed = self.ft_report["healed"]
+                self.start_quorum()
+                if self.ft_report["healed"] > healed:
+                    # the others committed this step without this group: it took their weights and optimizer
+                    # state (``_load_from_peer``); the quorum just joined is their next step's, and this one's
+                    self.ft_report["caught_up"] += 1
+                    return None
+            result = closure()  # training_step + backward: the hook averages the gradients over the quorum
+            self._quorum_open = False
+            if result is None:
+                raise LightningSyncError(
+                    f"ddp_sync_ft: training_step returned None in replica group {self.replica_group.group_id} (a "
+                    "skipped step): every group must run backward in every step, or the others wait in the gradient "
+                    "all-reduce. Return a loss (multiply it by 0 to skip a batch's contribution).")
+            participants = manager.num_participants()
+            if manager.should_commit():
+                break
+            failures += 1
+            self.ft_report["redone"] += 1
+            if failures > self.max_step_retries:
+                raise LightningSyncError(
+                    f"ddp_sync_ft: replica group {self.replica_group.group_id}: step {manager.current_step()} was not "
+                    f"committed {failures} times in a row (fewer than min_replicas={self.min_replicas} groups "
+                    "alive, or the all-reduce keeps failing); see torchft's log lines above. Raise "
+                    "max_step_retries, or lower min_replicas.")
+            log.warning("ddp_sync_ft: replica group %d: step %d not committed (a group was lost during it); running "
+                        "it again on the same batch.", self.replica_group.group_id, manager.current_step())
+        self.ft_report["committed"] += 1
+        self.ft_report["participants"] = participants
+        self.ft_report["missing_shards"] += self.replica_group.num_groups - participants
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    def _state_for_peer(self) -> dict[str, Any]:
+        """What a recovering group is sent (torchft's quorum thread, while this group's training thread waits in
+        ``start_quorum`` at a step boundary): the Lightning checkpoint this group would write now."""
+        trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
+        assert trainer is not None
+        checkpoint: dict[str, Any] = _compat.dump_checkpoint(trainer)
+        if self._boundary:  # weights and optimizer state are as they were at the boundary: no step since
+            checkpoint.update(self._boundary)
+        else:
+            for p in self.parts:
+                p.on_save_checkpoint(self, checkpoint, None)
+        checkpoint[_REPORT_KEY] = {"missing_shards": self.ft_report["missing_shards"]}  # the run's count goes on
+        return checkpoint
+
+    def _load_from_peer(self, checkpoint: dict[str, Any]) -> None:
+        self.ft_report["healed"] += 1
+        if self._restoring:  # a restarted group's fit: Lightning restores it as a file (``load_checkpoint``)
+            self._received = checkpoint
+            return
+        # A group in the run that fell behind by one step (the others committed a step it did not): its loops and
+        # data are at the same batch as the others', only its weights and optimizer state are behind.
+        module = self.lightning_module
+        assert module is not None
+        module.load_state_dict(checkpoint["state_dict"])
+        trainer = _compat.attached_trainer(module)
+        for optimizer, state in zip(trainer.optimizers if trainer is not None else (), checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+
+    def _join(self, peer: _LivePeerCheckpoint) -> None:
+        """Before Lightning restores anything (``fit`` without ``ckpt_path``), join the first quorum: a group whose
+        peers are ahead (it was restarted, or started late) is sent a live group's checkpoint at that step
+        boundary, which Lightning then restores as it restores a file (``ckpt_path`` is ``peer``). At the run's
+        start, the groups wait for each other (up to ``quorum_timeout``) so that none trains alone meanwhile."""
+        manager = self.manager
+        deadline = time.monotonic() + self.quorum_timeout.total_seconds()
+        self._restoring = True
+        try:
+            self.start_quorum()
+            while (self._received is None and manager.current_step() == 0
+                   and manager.num_participants() < self.replica_group.num_groups and time.monotonic() < deadline):
+                time.sleep(0.2)  # every group of this quorum sees the same count: all of them ask again
+                self.start_quorum()
+        finally:
+            self._restoring = False
+        group = f"replica group {self.replica_group.group_id} (life {self.replica_group.restart})"
+        peer.outcome = "received" if self._received is not None else "none"
+        if self._received is not None:
+            rank_zero_info(f"ddp_sync_ft: {group} recovers from a live group at step {manager.current_step()} "
+                           f"(global step {self._received.get('global_step')}).")
+        elif manager.num_participants() < self.replica_group.num_groups:
+            log.warning("ddp_sync_ft: %s starts with %d of %d replica groups (the others did not join within "
+                        "quorum_timeout); their data shards are not trained until they join.", group,
+                        manager.num_participants(), self.replica_group.num_groups)
+
+    def _read_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None) -> dict[str, Any]:
+        if not isinstance(checkpoint_path, _LivePeerCheckpoint):
+            return super()._read_checkpoint(checkpoint_path, weights_only)
+        received, self._received = self._received, None
+        if received is None:
+            raise LightningSyncError(
+                f"ddp_sync_ft: replica group {self.replica_group.group_id} was to recover from a live group, but its "
+                "fit did not join the first quorum (the strategy was set up outside fit?).")
+        self.ft_report["missing_shards"] = int(received.get(_REPORT_KEY, {}).get("missing_shards", 0))
+        entry = received.get(CHECKPOINT_KEY)
+        if isinstance(entry, dict):  # the RNG states are the sender's: this group derives streams of its own
+            entry["new_streams"] = True
+        return received
+
+    def _training_ends(self, trainer: Any) -> bool:
+        if trainer.should_stop or (0 <= trainer.max_steps <= trainer.global_step):
+            return True
+        last = _compat.is_last_batch(trainer)
+        return bool(last and trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1)
+
+    def teardown(self) -> None:
+        ctx, self._ctx = self._ctx, None
+        self._quorum_open = False
+        try:
+            super().teardown()
+        finally:
+            if ctx is not None:
+                report = self.ft_report
+                rank_zero_info(
+                    f"ddp_sync_ft: replica group {self.replica_group.group_id} (life {self.replica_group.restart}): "
+                    f"{report['committed']} steps committed, {report['redone']} run again after a failed commit, "
+                    f"{report['missing_shards']} data shards of missing groups not trained, recovered from a live "
+                    f"group {report['healed']} time(s).")
+                ctx.close()
+
+
+class _FaultTolerancePart(Part):
+    """The strategy's steps Lightning has no strategy hook for: the next quorum after a committed step, the
+    counts logged, and a restarted group's ``fit`` pointed at a live group."""
+
+    def __init__(self, strategy: FaultTolerantDDPStrategy) -> None:
+        self._strategy = strategy
+
+    def callbacks(self, strategy: Any) -> tuple[Any, ...]:
+        return (_QuorumAtStepEnd(self._strategy),)
+
+    def configure_launcher(self, strategy: Any) -> None:
+        if strategy.launcher is not None:
+            _recover_from_peer(self._strategy)
+
+
+def _recover_from_peer(strategy: FaultTolerantDDPStrategy) -> None:
+    """``fit`` without ``ckpt_path`` takes the checkpoint of a live group ahead of this one, if any (``FT_PEER``)."""
+    import inspect
+
+    from lightning_sync._compat.lightning_api import FIT_IMPL_NAME
+
+    launcher: Any = strategy.launcher
+    inner = launcher.launch
+
+    def launch(function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if trainer is not None and getattr(function, "__name__", "") == FIT_IMPL_NAME:
+            bound = inspect.signature(function).bind(*args, **kwargs)
+            if bound.arguments.get("ckpt_path") is None:
+                strategy._peer_checkpoint = _LivePeerCheckpoint(FT_PEER)
+                bound.arguments["ckpt_path"] = strategy._peer_checkpoint
+            args, kwargs = bound.args, bound.kwargs
+        return inner(function, *args, trainer=trainer, **kwargs)
+
+    setattr(launcher, "launch", launch)
+
+
+class _QuorumAtStepEnd(pl.Callback):
+    def __init__(self, strategy: FaultTolerantDDPStrategy) -> None:
+        self._strategy = strategy
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        strategy = self._strategy
+        if strategy._ctx is None:
+            return
+        report = strategy.ft_report
+        pl_module.log("ft/participants", float(report["participants"]), on_step=True, on_epoch=False)
+        pl_module.log("ft/missing_shards", float(report["missing_shards"]), on_step=True, on_epoch=False)
+        strategy.mark_step_boundary(trainer)
+        if not strategy._quorum_open and not strategy._training_ends(trainer):
+            # the next step's quorum here, where a checkpoint of this step would be written: a group recovering
+            # from this one is sent exactly that checkpoint
+            strategy.start_quorum()
+
+
+def _replica_allreduce_hook(strategy: FaultTolerantDDPStrategy, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """DDP's gradient bucket averaged over the replica groups of this step's quorum.
+
+    torchft's own hook hands DDP torchft's future, which aborts the surviving process when a peer is lost in the
+    middle of the all-reduce (torchft 0.2.0); waiting here and handing DDP a completed future lets the failure
+    surface where it belongs, in ``should_commit``."""
+    buffer = bucket.buffer()
+    strategy.manager.allreduce(buffer).wait()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+# DDP compares the hook's annotations with the objects themselves (this module's are strings)
+_replica_allreduce_hook.__annotations__.update(bucket=getattr(torch.distributed, "GradBucket"),
+                                               **{"return": torch.futures.Future[torch.Tensor]})
+
+
+def _rng_state() -> tuple[Any, ...]:
+    import random
+
+    import numpy as np
+
+    return (torch.get_rng_state(), np.random.get_state(), random.getstate())
+
+
+def _set_rng_state(state: tuple[Any, ...]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state[0])
+    np.random.set_state(state[1])
+    random.setstate(state[2])
+
+
+def register(strategy_registry: Any) -> None:
+    """Register ``"ddp_sync_ft"`` (idempotent; torchft is needed only when the strategy is built)."""
+    if "ddp_sync_ft" not in strategy_registry:
+        strategy_registry.register("ddp_sync_ft", FaultTolerantDDPStrategy, start_method="popen",
+                                   description="ddp_sync in each replica group, torchft across groups (lsync-ft-run)")

@@ -1,0 +1,78 @@
+"""A replica group dies mid-run; the other keeps training and the restarted one recovers from it (torchft).
+
+    lsync-ft-run --replicas 2 --min-replicas 2 -- python recipes/fault_tolerant_ddp.py --kill-at 8
+
+Each replica group is one ordinary Lightning process (`devices=1`) under `strategy="ddp_sync_ft"`; lsync-ft-run
+(`pip install "lightning_sync[ft]"`) starts torchft's lighthouse on loopback and the groups, and restarts a group
+that dies. `--kill-at S`: group 1 kills itself (SIGKILL) once, after step S. Group 0's step is not committed,
+so it runs it again once group 1 is back; group 1's `fit` (no `ckpt_path`) is restored from group 0's
+checkpoint at that step, sent by torchft: no file, no step lost. With `--min-replicas 1` group 0 trains on alone
+meanwhile and reports the data shards group 1 missed. Each group prints one line at the end; both name the
+same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_sync  # noqa: F401  (registers "ddp_sync_ft")
+
+
+class Regressor(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class KillOnce(L.Callback):
+    """Group 1, first life only: SIGKILL after step S (what a lost node looks like to the others)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        first_life = os.environ.get("LSYNC_FT_RESTART") == "0"
+        if os.environ.get("REPLICA_GROUP_ID") == "1" and first_life and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--max-steps", type=int, default=30)
+    args = parser.parse_args()
+    L.seed_everything(0, verbose=False)  # every group builds the same model and splits the data by this seed
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(960, 16, generator=g)
+    data = TensorDataset(x, torch.sin(x.sum(-1)))
+    model = Regressor()
+    trainer = L.Trainer(strategy="ddp_sync_ft", accelerator="cpu", devices=1, max_steps=args.max_steps,
+                        callbacks=[KillOnce(args.kill_at)], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(data, batch_size=16, shuffle=True))
+    report = trainer.strategy.ft_report
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
+    print(f"replica group {os.environ['REPLICA_GROUP_ID']} (life {os.environ['LSYNC_FT_RESTART']}): step "
+          f"{trainer.global_step}, weights checksum {weights.abs().sum().item():.10f}, committed "
+          f"{report['committed']}, run again {report['redone']}, missing shards {report['missing_shards']}, "
+          f"recovered {report['healed']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

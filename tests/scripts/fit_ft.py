@@ -1,0 +1,100 @@
+"""A Lightning fit under ``strategy="ddp_sync_ft"`` (one process per replica group), for tests/test_ft.py.
+
+Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--kill-at S] [--alone-sleep 0.3] [--dropout P] [--no-seed]
+Without it (the control): python tests/scripts/fit_ft.py --out DIR --control  (Lightning's 2-rank ddp_sync run
+of the same model, seed and data; each rank takes the shard a replica group takes).
+
+An MLP with dropout (``--dropout``, 0.1), momentum SGD, 640 shuffled samples, 16 a group a step. ``--kill-at S``: group 1 SIGKILLs
+itself in its first life once global step S is done (lsync-ft-run restarts it; it recovers from group 0), and
+group 0 sleeps ``--alone-sleep`` after each step it trains alone (so it is still training when group 1 is back).
+Each group appends one JSON line a step to OUT/group<g>.log and writes OUT/group<g>.pt (weights, report) at the
+end of fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_sync as ls
+
+
+class Model(L.LightningModule):
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+
+
+class Steps(L.Callback):
+    def __init__(self, out: Path, group: int, life: int, kill_at: int, alone_sleep: float) -> None:
+        self.out, self.group, self.life, self.kill_at, self.alone_sleep = out, group, life, kill_at, alone_sleep
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        report = dict(getattr(trainer.strategy, "ft_report", {}))
+        weights = torch.cat([t.detach().flatten() for t in pl_module.parameters()])
+        line = {"life": self.life, "step": trainer.global_step, "epoch": trainer.current_epoch, "batch_idx": batch_idx,
+                "batch": float(batch[1].sum()), "weights": float(weights.double().abs().sum()), **report}
+        with open(self.out / f"group{self.group}.log", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        if self.group == 1 and self.life == 0 and trainer.global_step == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.group == 0 and report.get("participants") == 1 and self.kill_at >= 0:
+            time.sleep(self.alone_sleep)
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(640, 8, generator=g)
+    return TensorDataset(x, x @ torch.linspace(-1, 1, 8) + 0.1 * torch.randn(640, generator=g))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--alone-sleep", type=float, default=0.0)
+    p.add_argument("--control", action="store_true")
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--no-seed", action="store_true", help="the mistake: no seed every group knows")
+    args = p.parse_args()
+    if not args.no_seed:
+        L.seed_everything(7, verbose=False)
+    model = Model(args.dropout)
+    if args.control:
+        group, life = int(os.environ.get("LOCAL_RANK", "0")), 0
+        strategy: object = ls.SyncDDPStrategy()
+        devices = 2
+    else:
+        group, life = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["LSYNC_FT_RESTART"])
+        strategy = "ddp_sync_ft"
+        devices = 1
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=args.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Steps(args.out, group, life, args.kill_at, args.alone_sleep)])
+    trainer.fit(model, DataLoader(data(), batch_size=16, shuffle=True))
+    weights = torch.cat([t.detach().flatten() for t in model.parameters()])
+    torch.save({"weights": weights, "life": life, "global_step": trainer.global_step,
+                "report": dict(getattr(trainer.strategy, "ft_report", {}))}, args.out / f"group{group}.pt")
+
+
+if __name__ == "__main__":
+    main()

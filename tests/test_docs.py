@@ -65,6 +65,8 @@ COVERED: list[Covered] = [
             "tests/test_invariance.py::test_lsync_doctor_invariance_prints_the_report_and_exits_nonzero_on_a_difference"),
     Covered(r"lsync-ft-run --replicas 2 --min-replicas 2 -- python recipes/fault_tolerant_ddp\.py --kill-at 8",
             "tests/test_recipes.py::test_fault_tolerant_ddp_a_killed_group_recovers_and_both_end_equal"),
+    Covered(r"sbatch recipes/launch_slurm_ft\.sbatch python recipes/fault_tolerant_ddp\.py --kill-at 8",
+            "tests/test_multinode.py::test_sbatch_ft_recipe_a_group_killed_on_its_node_recovers_from_the_other"),
     Covered(r"lsync-ft-run .*",
             "tests/test_ft.py::test_a_killed_group_is_restarted_healed_from_its_peer_and_the_other_never_stops"),
 ]

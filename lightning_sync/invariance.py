@@ -49,7 +49,7 @@ from lightning_sync.sampling import EpochOrder, shard_sizes, shuffle_order
 from lightning_sync.seeding import derive_seed
 
 __all__ = ["DropoutStep", "GlobalBatchSampler", "InvariantLoader", "KeyedSampleDataset", "SampleKey",
-           "dropout_step", "global_steps", "make_dropout_invariant"]
+           "dropout_step", "global_steps", "make_dropout_invariant", "rerun_dropout_step"]
 
 
 def global_steps(num_samples: int, batch_size: int, drop_last: bool) -> int:
@@ -277,6 +277,14 @@ _STEP: contextvars.ContextVar[DropoutStep | None] = contextvars.ContextVar("ligh
 def set_dropout_step(step: DropoutStep | None) -> None:
     """Make ``step`` the running training step of this thread (None: none runs)."""
     _STEP.set(step)
+
+
+def rerun_dropout_step() -> None:
+    """The running training step is run again (a fault-tolerant step that was not committed): its dropout layers
+    draw the same masks again, from their first call."""
+    step = _STEP.get()
+    if step is not None:
+        step.calls.clear()
 
 
 @contextlib.contextmanager

@@ -154,6 +154,23 @@ def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(t
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_with_world_size_invariant_a_run_with_a_killed_group_trains_the_one_process_model(tmp_path: Path) -> None:
+    """world_size_invariant=True: each group takes its slice of the one-process run's global batch (32), and
+    dropout masks are keyed by the global batch's rows, not drawn from a group's stream: with group 1 SIGKILLed
+    at step 10 (the step run again draws the same masks) and recovered, both groups end within float rounding of
+    ONE process training with batch 32, dropout included."""
+    proc = _ft_run(tmp_path / "ft", ["--replicas", "2", "--min-replicas", "2"],
+                   ["--steps", "40", "--kill-at", "10", "--invariant"], script=FIT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "ddp_sync_ft: replica group 1 (life 1) recovers from a live group at step 10" in proc.stderr
+    first, second = torch.load(tmp_path / "ft" / "group0.pt"), torch.load(tmp_path / "ft" / "group1.pt")
+    assert torch.equal(first["weights"], second["weights"]) and first["report"]["redone"] == 1
+    one_process = _control(tmp_path / "control", "--steps", "40", "--invariant")
+    assert torch.allclose(first["weights"], one_process, rtol=0, atol=1e-5 * one_process.abs().max().item())
+
+
+@pytest.mark.slow
 @pytest.mark.alone
 @pytest.mark.timeout(300)
 def test_a_survivor_training_alone_counts_the_shards_it_could_not_train(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import PathLike
 from lightning_sync.errors import LightningSyncError
+from lightning_sync.invariance import rerun_dropout_step
 from lightning_sync.ft import ReplicaContext, ReplicaGroup, replica_context, require_torchft
 from lightning_sync.parts.base import Part
 from lightning_sync.seeding import CHECKPOINT_KEY
@@ -205,6 +206,7 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         while True:
             if not self._quorum_open:  # a step run again: a new quorum of the groups still alive
                 _set_rng_state(rng)
+                rerun_dropout_step()
                 healed = self.ft_report["healed"]
                 self.start_quorum()
                 if self.ft_report["healed"] > healed:

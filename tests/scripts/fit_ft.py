@@ -1,6 +1,6 @@
 """A Lightning fit under ``strategy="ddp_sync_ft"`` (one process per replica group), for tests/test_ft.py.
 
-Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--kill-at S] [--alone-sleep 0.3] [--dropout P] [--no-seed]
+Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--kill-at S] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant]
 Without it (the control): python tests/scripts/fit_ft.py --out DIR --control  (Lightning's 2-rank ddp_sync run
 of the same model, seed and data; each rank takes the shard a replica group takes).
 
@@ -75,22 +75,24 @@ def main() -> None:
     p.add_argument("--control", action="store_true")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--no-seed", action="store_true", help="the mistake: no seed every group knows")
+    p.add_argument("--invariant", action="store_true",
+                   help="world_size_invariant=True: the loader's batch is the global one (32); --control runs 1 process")
     args = p.parse_args()
     if not args.no_seed:
         L.seed_everything(7, verbose=False)
     model = Model(args.dropout)
     if args.control:
         group, life = int(os.environ.get("LOCAL_RANK", "0")), 0
-        strategy: object = ls.SyncDDPStrategy()
-        devices = 2
+        strategy: object = ls.SyncDDPStrategy(world_size_invariant=args.invariant)
+        devices = 1 if args.invariant else 2
     else:
         group, life = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["LSYNC_FT_RESTART"])
-        strategy = "ddp_sync_ft"
+        strategy = ls.FaultTolerantDDPStrategy(world_size_invariant=True) if args.invariant else "ddp_sync_ft"
         devices = 1
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Steps(args.out, group, life, args.kill_at, args.alone_sleep)])
-    trainer.fit(model, DataLoader(data(), batch_size=16, shuffle=True))
+    trainer.fit(model, DataLoader(data(), batch_size=32 if args.invariant else 16, shuffle=True))
     weights = torch.cat([t.detach().flatten() for t in model.parameters()])
     torch.save({"weights": weights, "life": life, "global_step": trainer.global_step,
                 "report": dict(getattr(trainer.strategy, "ft_report", {}))}, args.out / f"group{group}.pt")

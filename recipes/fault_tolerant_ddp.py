@@ -4,7 +4,7 @@
 
 Each replica group is one ordinary Lightning process (`devices=1`) under `strategy="ddp_sync_ft"`; lsync-ft-run
 (`pip install "lightning_sync[ft]"`) starts torchft's lighthouse on loopback and the groups, and restarts a group
-that dies. `--kill-at S`: group 1 kills itself (SIGKILL) once, after step S. Group 0's step is not committed,
+that dies. `--kill-at S`: group 1 kills itself (SIGKILL) once, in the middle of step S + 1. Group 0's step is not committed,
 so it runs it again once group 1 is back; group 1's `fit` (no `ckpt_path`) is restored from group 0's
 checkpoint at that step, sent by torchft: no file, no step lost. With `--min-replicas 1` group 0 trains on alone
 meanwhile and reports the data shards group 1 missed. Each group prints one line at the end; both name the
@@ -41,12 +41,12 @@ class Regressor(L.LightningModule):
 
 
 class KillOnce(L.Callback):
-    """Group 1, first life only: SIGKILL after step S (what a lost node looks like to the others)."""
+    """Group 1, first life only: SIGKILL in the middle of step S + 1 (what a lost node looks like to the others)."""
 
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
         first_life = os.environ.get("LSYNC_FT_RESTART") == "0"
         if os.environ.get("REPLICA_GROUP_ID") == "1" and first_life and trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -130,11 +130,11 @@ def test_two_replica_groups_train_what_two_ddp_ranks_train(tmp_path: Path) -> No
 @pytest.mark.alone  # a SIGKILL and a restart: nothing else competing for the cores while the survivor waits
 @pytest.mark.timeout(360)
 def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(tmp_path: Path) -> None:
-    """--min-replicas 2: the survivor's step that the kill interrupted is run again once the restarted group is
-    back; the restarted group's fit (no ckpt_path) is restored from the survivor's checkpoint at that step,
-    sent by torchft (weights, optimizer, loops, data position): the run ends, across an epoch boundary, with the
-    weights of the 2-rank ddp_sync run without a fault, bit for bit (no dropout: the lost group's random
-    stream died with it)."""
+    """--min-replicas 2, group 1 SIGKILLed in the middle of step 11: the survivor's step that the kill interrupted
+    is run again once the restarted group is back; the restarted group's fit (no ckpt_path) is restored from the
+    survivor's checkpoint at the end of step 10, sent by torchft (weights, optimizer, loops, data position): the
+    run ends, across an epoch boundary, with the weights of the 2-rank ddp_sync run without a fault, bit for bit
+    (no dropout: the lost group's random stream died with it)."""
     proc = _ft_run(tmp_path / "ft", ["--replicas", "2", "--min-replicas", "2"],
                    ["--steps", "40", "--kill-at", "10", "--dropout", "0"], script=FIT, timeout=240)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -158,7 +158,7 @@ def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(t
 def test_with_world_size_invariant_a_run_with_a_killed_group_trains_the_one_process_model(tmp_path: Path) -> None:
     """world_size_invariant=True: each group takes its slice of the one-process run's global batch (32), and
     dropout masks are keyed by the global batch's rows, not drawn from a group's stream: with group 1 SIGKILLed
-    at step 10 (the step run again draws the same masks) and recovered, both groups end within float rounding of
+    in the middle of step 11 (the step run again draws the same masks) and recovered, both groups end within float rounding of
     ONE process training with batch 32, dropout included."""
     proc = _ft_run(tmp_path / "ft", ["--replicas", "2", "--min-replicas", "2"],
                    ["--steps", "40", "--kill-at", "10", "--invariant"], script=FIT, timeout=240)
@@ -212,5 +212,7 @@ def test_ddp_sync_ft_outside_a_replica_group_and_bad_arguments_say_how_to_fix_th
         ls.FaultTolerantDDPStrategy(static_graph=True)
     with pytest.raises(ValueError, match="min_replicas=0"):
         ls.FaultTolerantDDPStrategy(min_replicas=0)
+    with pytest.raises(ValueError, match="ckpt_path= to fit"):
+        ls.FaultTolerantDDPStrategy(resume="auto")
     strategy = ls.FaultTolerantDDPStrategy()
     assert strategy.min_replicas == 1 and strategy.seed_stream_rank == 0

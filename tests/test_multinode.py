@@ -283,7 +283,7 @@ def test_sbatch_requeue_signal_resumes_to_the_uninterrupted_result(cluster: Clus
 
 def test_sbatch_ft_recipe_a_group_killed_on_its_node_recovers_from_the_other(cluster: Cluster, tmp_path: Path) -> None:
     """recipes/launch_slurm_ft.sbatch on 2 nodes: torchft's lighthouse on n0's address, one `lsync-ft-run --group
-    g` job step per node. Group 1 (on n1) SIGKILLs itself after step 8; lsync-ft-run restarts it on n1, it
+    g` job step per node. Group 1 (on n1) SIGKILLs itself in the middle of step 9; lsync-ft-run restarts it on n1, it
     recovers from group 0 across the link, and (MIN_REPLICAS=2: no step alone) both end with the same weights."""
     import sys
 

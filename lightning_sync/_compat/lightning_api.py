@@ -572,11 +572,6 @@ def loops_state(trainer: Any) -> dict[str, Any]:
     return state
 
 
-def is_last_batch(trainer: Any) -> bool:
-    """Whether the training batch that just ran is its epoch's last (the epoch loop's ``batch_progress``)."""
-    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-
-
 def remove_step_flag_broadcast(loop: Any) -> None:
     if loop is not None:
         loop.__dict__.pop("_broadcast_sigterm_tensor", None)
@@ -746,12 +741,11 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("lightning.pytorch.loops._FitLoop._combined_loader (CombinedLoader.limits)",
                "resume on another world size: batch count of later epochs",
                lambda: hasattr(_trainer().fit_loop, "_combined_loader")),
-    TouchPoint("lightning.pytorch.Trainer._checkpoint_connector.dump_checkpoint(weights_only=...), "
-               "_get_loops_state_dict and fit_loop.epoch_loop.batch_progress.is_last_batch",
-               "ddp_sync_ft: the checkpoint a recovering replica group is sent; no quorum after the last step",
+    TouchPoint("lightning.pytorch.Trainer._checkpoint_connector.dump_checkpoint(weights_only=...) and "
+               "_get_loops_state_dict",
+               "ddp_sync_ft: the checkpoint a recovering replica group is sent, at a step boundary",
                lambda: "weights_only" in _params(_trainer()._checkpoint_connector.dump_checkpoint)
-               and callable(getattr(_trainer()._checkpoint_connector, "_get_loops_state_dict", None))
-               and hasattr(_trainer().fit_loop.epoch_loop.batch_progress, "is_last_batch")),
+               and callable(getattr(_trainer()._checkpoint_connector, "_get_loops_state_dict", None))),
     TouchPoint("lightning.pytorch.strategies.DDPStrategy._timeout", "torchrun restart: process group timeout",
                lambda: "_timeout" in _ddp_vars()),
     TouchPoint("lightning.pytorch.loops._FitLoop (_combined_loader_states_to_load, _load_combined_loader_states, "

@@ -3,8 +3,9 @@
 Each replica group is one ordinary Lightning process (``devices=1``) started by ``lsync-ft-run``. Across
 the groups, torchft's ``Manager`` decides every step who takes part:
 
-- a quorum of the live groups is formed at each step boundary (after the previous step's optimizer step,
-  where a Lightning checkpoint would be written; the first one before the first batch);
+- a quorum of the live groups is formed at the start of each step (the first one before Lightning restores
+  anything); a group recovering in it is sent the checkpoint this group would have written at the end of the
+  previous step;
 - DDP's gradient buckets are averaged over the quorum through torchft's reconfigurable process group (a
   DDP communication hook that waits for torchft's all-reduce);
 - the optimizer steps only if torchft commits the step (``should_commit``); a step it does not commit (a
@@ -37,7 +38,7 @@ from lightning_sync.errors import LightningSyncError
 from lightning_sync.invariance import rerun_dropout_step
 from lightning_sync.ft import ReplicaContext, ReplicaGroup, replica_context, require_torchft
 from lightning_sync.parts.base import Part
-from lightning_sync.seeding import CHECKPOINT_KEY
+from lightning_sync.seeding import CHECKPOINT_KEY, _collect_rng_state, _restore_rng_state
 from lightning_sync.strategy import SyncDDPStrategy
 
 __all__ = ["FaultTolerantDDPStrategy", "FT_PEER"]
@@ -98,6 +99,11 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                 "find_unused_parameters=True and static_graph=False (torchft's DDP does the same): drop those "
                 "arguments.")
         kwargs["find_unused_parameters"] = True
+        if kwargs.get("resume") is not None:
+            raise ValueError(
+                f"FaultTolerantDDPStrategy(resume={kwargs['resume']!r}): a group's fit recovers from a live replica "
+                "group; resuming from checkpoint files is not combined with it yet. Pass ckpt_path= to fit (the "
+                "same checkpoint in every group) to start a whole run again from a file.")
         super().__init__(*args, **kwargs)
         self._init_parts([*self.parts[:-1], _FaultTolerancePart(self), self.parts[-1]])
         self._ctx: ReplicaContext | None = None
@@ -180,10 +186,11 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
 
     def mark_step_boundary(self, trainer: Any) -> None:
         """Keep the position entries of the checkpoint this group would write now (loops, data position, RNG
-        states: no tensor of the model), the step boundary a recovering group is sent even when the quorum that
-        asks for it is formed later, inside the next step (a step run again)."""
+        states, LR schedulers: no tensor of the model), the step boundary a recovering group is sent by the next
+        step's quorum (at that step's start, or inside it when the step is run again)."""
         boundary: dict[str, Any] = {"epoch": trainer.current_epoch, "global_step": trainer.global_step,
-                                    "loops": _compat.loops_state(trainer)}
+                                    "loops": _compat.loops_state(trainer),
+                                    "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
         for p in self.parts:
             p.on_save_checkpoint(self, boundary, None)
         self._boundary = boundary
@@ -201,11 +208,11 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
             raise LightningSyncError("ddp_sync_ft: accumulate_grad_batches > 1 is not supported yet (torchft commits "
                                      "every optimizer step); pass a larger batch instead.")
         manager = self.manager
-        rng = _rng_state()
+        rng = _collect_rng_state()
         failures = 0
         while True:
             if not self._quorum_open:  # a step run again: a new quorum of the groups still alive
-                _set_rng_state(rng)
+                _restore_rng_state(rng)
                 rerun_dropout_step()
                 healed = self.ft_report["healed"]
                 self.start_quorum()
@@ -244,6 +251,8 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         ``start_quorum`` at a step boundary): the Lightning checkpoint this group would write now."""
         trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
         assert trainer is not None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            torch.cuda.synchronize()  # the optimizer step's kernels are done before torchft reads the weights
         checkpoint: dict[str, Any] = _compat.dump_checkpoint(trainer)
         if self._boundary:  # weights and optimizer state are as they were at the boundary: no step since
             checkpoint.update(self._boundary)
@@ -262,8 +271,14 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         # data are at the same batch as the others', only its weights and optimizer state are behind.
         module = self.lightning_module
         assert module is not None
-        module.load_state_dict(checkpoint["state_dict"])
         trainer = _compat.attached_trainer(module)
+        behind = None if trainer is None else int(checkpoint.get("global_step", -1)) - trainer.global_step
+        if behind != 1:
+            raise LightningSyncError(
+                f"ddp_sync_ft: replica group {self.replica_group.group_id} is {behind} steps from the live groups "
+                "(1 is all a running group can catch up from: a step the others committed without it); its loops "
+                "and data cannot follow. Restart the group (lsync-ft-run restarts it when it exits).")
+        module.load_state_dict(checkpoint["state_dict"])
         for optimizer, state in zip(trainer.optimizers if trainer is not None else (), checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
 
@@ -284,6 +299,17 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         finally:
             self._restoring = False
         group = f"replica group {self.replica_group.group_id} (life {self.replica_group.restart})"
+        if self._received is None and manager.errored() is not None:
+            raise LightningSyncError(
+                f"ddp_sync_ft: {group}: recovering from a live group failed ({manager.errored()}); it does not start "
+                "from the beginning instead. Raise FaultTolerantDDPStrategy(timeout=...) if the transfer timed out.")
+        if (self._received is None and self.replica_group.restart > 0
+                and manager.num_participants() < self.replica_group.num_groups):
+            raise LightningSyncError(
+                f"ddp_sync_ft: {group} was restarted, but no live replica group is ahead of it to recover from "
+                f"({manager.num_participants()} of {self.replica_group.num_groups} groups in the quorum, all at step "
+                "0): the others ended or were lost too. Start the run again from a checkpoint "
+                "(trainer.fit(..., ckpt_path=...) in every group).")
         peer.outcome = "received" if self._received is not None else "none"
         if self._received is not None:
             rank_zero_info(f"ddp_sync_ft: {group} recovers from a live group at step {manager.current_step()} "
@@ -305,13 +331,8 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         entry = received.get(CHECKPOINT_KEY)
         if isinstance(entry, dict):  # the RNG states are the sender's: this group derives streams of its own
             entry["new_streams"] = True
+            entry["rng_states"] = []
         return received
-
-    def _training_ends(self, trainer: Any) -> bool:
-        if trainer.should_stop or (0 <= trainer.max_steps <= trainer.global_step):
-            return True
-        last = _compat.is_last_batch(trainer)
-        return bool(last and trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1)
 
     def teardown(self) -> None:
         ctx, self._ctx = self._ctx, None
@@ -338,6 +359,10 @@ class _FaultTolerancePart(Part):
 
     def callbacks(self, strategy: Any) -> tuple[Any, ...]:
         return (_QuorumAtStepEnd(self._strategy),)
+
+    def on_train_start(self, strategy: Any, trainer: Any) -> None:
+        if self._strategy._ctx is not None and trainer is not None:
+            self._strategy.mark_step_boundary(trainer)  # (restored, or at the start: the first step's boundary)
 
     def configure_launcher(self, strategy: Any) -> None:
         if strategy.launcher is not None:
@@ -376,11 +401,9 @@ class _QuorumAtStepEnd(pl.Callback):
         report = strategy.ft_report
         pl_module.log("ft/participants", float(report["participants"]), on_step=True, on_epoch=False)
         pl_module.log("ft/missing_shards", float(report["missing_shards"]), on_step=True, on_epoch=False)
+        # where a checkpoint of this step would be written: a group recovering from this one at the next step's
+        # quorum (at its start, after every hook of this one) is sent this position with the weights it has then
         strategy.mark_step_boundary(trainer)
-        if not strategy._quorum_open and not strategy._training_ends(trainer):
-            # the next step's quorum here, where a checkpoint of this step would be written: a group recovering
-            # from this one is sent exactly that checkpoint
-            strategy.start_quorum()
 
 
 def _replica_allreduce_hook(strategy: FaultTolerantDDPStrategy, bucket: Any) -> torch.futures.Future[torch.Tensor]:
@@ -399,24 +422,6 @@ def _replica_allreduce_hook(strategy: FaultTolerantDDPStrategy, bucket: Any) -> 
 # DDP compares the hook's annotations with the objects themselves (this module's are strings)
 _replica_allreduce_hook.__annotations__.update(bucket=getattr(torch.distributed, "GradBucket"),
                                                **{"return": torch.futures.Future[torch.Tensor]})
-
-
-def _rng_state() -> tuple[Any, ...]:
-    import random
-
-    import numpy as np
-
-    return (torch.get_rng_state(), np.random.get_state(), random.getstate())
-
-
-def _set_rng_state(state: tuple[Any, ...]) -> None:
-    import random
-
-    import numpy as np
-
-    torch.set_rng_state(state[0])
-    np.random.set_state(state[1])
-    random.setstate(state[2])
 
 
 def register(strategy_registry: Any) -> None:

@@ -5,7 +5,7 @@ Without it (the control): python tests/scripts/fit_ft.py --out DIR --control  (L
 of the same model, seed and data; each rank takes the shard a replica group takes).
 
 An MLP with dropout (``--dropout``, 0.1), momentum SGD, 640 shuffled samples, 16 a group a step. ``--kill-at S``: group 1 SIGKILLs
-itself in its first life once global step S is done (lsync-ft-run restarts it; it recovers from group 0), and
+itself in its first life in the middle of step S + 1 (before its backward) (lsync-ft-run restarts it; it recovers from group 0), and
 group 0 sleeps ``--alone-sleep`` after each step it trains alone (so it is still training when group 1 is back).
 Each group appends one JSON line a step to OUT/group<g>.log and writes OUT/group<g>.pt (weights, report) at the
 end of fit.
@@ -47,6 +47,11 @@ class Steps(L.Callback):
     def __init__(self, out: Path, group: int, life: int, kill_at: int, alone_sleep: float) -> None:
         self.out, self.group, self.life, self.kill_at, self.alone_sleep = out, group, life, kill_at, alone_sleep
 
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        # mid-step, once the quorum of step kill_at + 1 is formed: group 0 waits in the gradient all-reduce
+        if self.group == 1 and self.life == 0 and trainer.global_step == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         report = dict(getattr(trainer.strategy, "ft_report", {}))
         weights = torch.cat([t.detach().flatten() for t in pl_module.parameters()])
@@ -54,8 +59,6 @@ class Steps(L.Callback):
                 "batch": float(batch[1].sum()), "weights": float(weights.double().abs().sum()), **report}
         with open(self.out / f"group{self.group}.log", "a") as f:
             f.write(json.dumps(line) + "\n")
-        if self.group == 1 and self.life == 0 and trainer.global_step == self.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
         if self.group == 0 and report.get("participants") == 1 and self.kill_at >= 0:
             time.sleep(self.alone_sleep)
 

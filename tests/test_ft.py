@@ -189,6 +189,19 @@ def test_a_survivor_training_alone_counts_the_shards_it_could_not_train(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_early_stop_one_group_asks_for_stops_every_group_at_the_same_step(tmp_path: Path) -> None:
+    """EarlyStopping on a value only group 1 sees (its shard's): Lightning's reduce_boolean_decision is agreed
+    across the quorum's groups too, so both stop after epoch 0 (step 20) with equal weights. (Without it group 1
+    stopped alone and group 0, --min-replicas 2, waited out quorum_timeout.)"""
+    proc = _ft_run(tmp_path, ["--replicas", "2", "--min-replicas", "2"], ["--steps", "40", "--early-stop"], script=FIT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    first, second = torch.load(tmp_path / "group0.pt"), torch.load(tmp_path / "group1.pt")
+    assert first["global_step"] == second["global_step"] == 20
+    assert torch.equal(first["weights"], second["weights"])
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_replica_groups_without_a_common_seed_are_refused_before_training(tmp_path: Path) -> None:
     proc = _ft_run(tmp_path, ["--replicas", "1", "--max-restarts", "0"], ["--steps", "4", "--no-seed"], script=FIT)

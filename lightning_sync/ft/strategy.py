@@ -246,6 +246,19 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         self.ft_report["missing_shards"] += self.replica_group.num_groups - participants
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Lightning's agreement on a decision (``EarlyStopping``'s stop, among others), across the replica groups of
+        the current quorum too: a group that stops alone would leave the others waiting for it, or training on
+        without it."""
+        decision = super().reduce_boolean_decision(decision, all=all)
+        if self._ctx is None:
+            return decision
+        votes = torch.tensor([float(decision), 1.0], dtype=torch.float64)
+        if not self.manager.allreduce(votes, reduce_op=torch.distributed.ReduceOp.SUM).wait() or self.manager.errored():
+            return decision  # a group was lost meanwhile: the next step's quorum deals with it
+        yes, voters = float(votes[0]), float(votes[1])
+        return yes == voters if all else yes > 0
+
     def _state_for_peer(self) -> dict[str, Any]:
         """What a recovering group is sent (torchft's quorum thread, while this group's training thread waits in
         ``start_quorum`` at a step boundary): the Lightning checkpoint this group would write now."""

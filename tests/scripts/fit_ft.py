@@ -1,6 +1,6 @@
 """A Lightning fit under ``strategy="ddp_sync_ft"`` (one process per replica group), for tests/test_ft.py.
 
-Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--kill-at S] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant]
+Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--kill-at S] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop]
 Without it (the control): python tests/scripts/fit_ft.py --out DIR --control  (Lightning's 2-rank ddp_sync run
 of the same model, seed and data; each rank takes the shard a replica group takes).
 
@@ -37,6 +37,8 @@ class Model(L.LightningModule):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
         self.log("loss", loss)
+        # per group, never synced: group 1 alone asks EarlyStopping to stop (--early-stop)
+        self.log("group_flag", float(os.environ.get("REPLICA_GROUP_ID") == "1"), on_step=False, on_epoch=True)
         return loss
 
     def configure_optimizers(self):
@@ -78,6 +80,8 @@ def main() -> None:
     p.add_argument("--control", action="store_true")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--no-seed", action="store_true", help="the mistake: no seed every group knows")
+    p.add_argument("--early-stop", action="store_true",
+                   help="EarlyStopping on a per-group value: only group 1 wants to stop, at the end of epoch 0")
     p.add_argument("--invariant", action="store_true",
                    help="world_size_invariant=True: the loader's batch is the global one (32); --control runs 1 process")
     args = p.parse_args()
@@ -94,7 +98,9 @@ def main() -> None:
         devices = 1
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Steps(args.out, group, life, args.kill_at, args.alone_sleep)])
+                        callbacks=[Steps(args.out, group, life, args.kill_at, args.alone_sleep)]
+                        + ([L.pytorch.callbacks.EarlyStopping("group_flag", mode="max", stopping_threshold=0.5,
+                                                               check_on_train_epoch_end=True)] if args.early_stop else []))
     trainer.fit(model, DataLoader(data(), batch_size=32 if args.invariant else 16, shuffle=True))
     weights = torch.cat([t.detach().flatten() for t in model.parameters()])
     torch.save({"weights": weights, "life": life, "global_step": trainer.global_step,

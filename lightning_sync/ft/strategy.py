@@ -371,7 +371,7 @@ class _FaultTolerancePart(Part):
         self._strategy = strategy
 
     def callbacks(self, strategy: Any) -> tuple[Any, ...]:
-        return (_QuorumAtStepEnd(self._strategy),)
+        return (_StepBoundary(self._strategy),)
 
     def on_train_start(self, strategy: Any, trainer: Any) -> None:
         if self._strategy._ctx is not None and trainer is not None:
@@ -403,7 +403,7 @@ def _recover_from_peer(strategy: FaultTolerantDDPStrategy) -> None:
     setattr(launcher, "launch", launch)
 
 
-class _QuorumAtStepEnd(pl.Callback):
+class _StepBoundary(pl.Callback):
     def __init__(self, strategy: FaultTolerantDDPStrategy) -> None:
         self._strategy = strategy
 

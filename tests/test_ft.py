@@ -41,6 +41,20 @@ def _control(out: Path, *args: str) -> torch.Tensor:
     return torch.load(out / "group0.pt")["weights"]
 
 
+def _same_state(ft: Path, control: Path, group: int) -> None:
+    """Group ``group``'s whole state_dict (BatchNorm's running statistics included) is the control rank's, bit for bit."""
+    mine, theirs = torch.load(ft / f"group{group}.pt")["state"], torch.load(control / f"group{group}.pt")["state"]
+    assert mine.keys() == theirs.keys()
+    differ = [k for k in mine if not torch.equal(mine[k], theirs[k])]
+    assert not differ, f"group {group}: {differ} differ from the ddp_sync rank's"
+
+
+def _epoch_means(out: Path, group: int) -> list[dict]:
+    """Each epoch's logged values as the group saw them at its end (``loss_mean``: every step's loss once)."""
+    rows = [json.loads(line) for line in (out / f"group{group}.epochs").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in ("life", "group_flag")} for row in rows]
+
+
 def _steps(out: Path, group: int) -> list[dict]:
     return [json.loads(line) for line in (out / f"group{group}.log").read_text().splitlines()]
 
@@ -115,12 +129,19 @@ def test_outside_a_replica_group_the_context_says_how_to_start_one() -> None:
 @pytest.mark.timeout(300)
 def test_two_replica_groups_train_what_two_ddp_ranks_train(tmp_path: Path) -> None:
     """No fault: each group (one process, devices=1) takes the shard a rank of a 2-rank run takes and its own
-    dropout stream; the gradients are averaged over the quorum: the weights of ddp_sync's 2-rank run, bit for bit."""
-    proc = _ft_run(tmp_path / "ft", ["--replicas", "2"], ["--steps", "24"], script=FIT)
+    dropout stream; the gradients are averaged over the quorum, and BatchNorm's running statistics are taken from
+    the quorum's first group where DDP takes rank 0's (before a training forward, and before the first validation
+    forward after training): every group's whole state is that ddp_sync rank's, bit for bit, and so are its
+    validation and epoch means."""
+    args = ["--steps", "24", "--batchnorm", "--val"]
+    proc = _ft_run(tmp_path / "ft", ["--replicas", "2"], args, script=FIT)
     assert proc.returncode == 0, proc.stderr[-6000:]
     first, second = torch.load(tmp_path / "ft" / "group0.pt"), torch.load(tmp_path / "ft" / "group1.pt")
     assert torch.equal(first["weights"], second["weights"])
-    assert torch.equal(first["weights"], _control(tmp_path / "control", "--steps", "24"))
+    assert torch.equal(first["weights"], _control(tmp_path / "control", *args))
+    for group in (0, 1):
+        _same_state(tmp_path / "ft", tmp_path / "control", group)
+        assert _epoch_means(tmp_path / "ft", group) == _epoch_means(tmp_path / "control", group)
     assert first["report"] == {"committed": 24, "redone": 0, "caught_up": 0, "missing_shards": 0, "healed": 0,
                                "participants": 2}
     assert "ddp_sync_ft: replica group 0 (life 0): 24 steps committed, 0 run again" in proc.stderr
@@ -134,16 +155,26 @@ def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(t
     is run again once the restarted group is back; the restarted group's fit (no ckpt_path) is restored from the
     survivor's checkpoint at the end of step 10, sent by torchft (weights, optimizer, loops, data position): the
     run ends, across an epoch boundary, with the weights of the 2-rank ddp_sync run without a fault, bit for bit
-    (no dropout: the lost group's random stream died with it)."""
+    (no dropout: the lost group's random stream died with it). The survivor's step that was run again puts back
+    what its first attempt changed outside the optimizer: BatchNorm's running statistics are updated once and its
+    logged epoch mean counts the step once (both were counted twice before)."""
     proc = _ft_run(tmp_path / "ft", ["--replicas", "2", "--min-replicas", "2"],
-                   ["--steps", "40", "--kill-at", "10", "--dropout", "0"], script=FIT, timeout=240)
+                   ["--steps", "40", "--kill-at", "10", "--dropout", "0", "--batchnorm", "--val"], script=FIT,
+                   timeout=240)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "replica group 1 ended (killed by SIGKILL); restarting it (restart 1 of 3)" in proc.stderr
     assert "ddp_sync_ft: replica group 1 (life 1) recovers from a live group at step 10 (global step 10)" in proc.stderr
     first, second = torch.load(tmp_path / "ft" / "group0.pt"), torch.load(tmp_path / "ft" / "group1.pt")
     assert (first["life"], second["life"], first["global_step"], second["global_step"]) == (0, 1, 40, 40)
     assert torch.equal(first["weights"], second["weights"])
-    assert torch.equal(first["weights"], _control(tmp_path / "control", "--steps", "40", "--dropout", "0"))
+    assert torch.equal(first["weights"], _control(tmp_path / "control", "--steps", "40", "--dropout", "0",
+                                                  "--batchnorm", "--val"))
+    for group in (0, 1):
+        _same_state(tmp_path / "ft", tmp_path / "control", group)  # running statistics included
+    assert _epoch_means(tmp_path / "ft", 0) == _epoch_means(tmp_path / "control", 0)  # the redone epoch too
+    # the restarted group's running means of the epoch it joined start at its restart (Lightning's checkpoint does
+    # not hold them); the next epoch's are the control rank's
+    assert _epoch_means(tmp_path / "ft", 1)[-1] == _epoch_means(tmp_path / "control", 1)[-1]
     assert first["report"]["redone"] == 1 and first["report"]["missing_shards"] == 0
     assert second["report"]["healed"] == 1 and second["report"]["committed"] == 30
     survivor = _steps(tmp_path / "ft", 0)

@@ -15,7 +15,7 @@ __all__ = ["DDP_IGNORE_ATTR", "LIGHTNING_RESULT_FILE", "TOUCH_POINTS", "BatchNor
            "all_gather_single", "ddp_ignored_names", "default_store", "dynamo_callback", "flight_recorder_dump",
            "init_process_group_kwargs",
            "rank_not_in_group", "raise_group_count", "replace_default_group", "WorkBase", "C10D_MODULES",
-           "AUTOGRAD_MODULES", "DYNAMO_DISABLE_MODULE", "current_autograd_node"]
+           "AUTOGRAD_MODULES", "DYNAMO_DISABLE_MODULE", "current_autograd_node", "register_buffer_sync_hook"]
 
 #: torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name is deprecated);
 #: same semantics. Public either way; the shim lives here so it is written once.
@@ -181,6 +181,23 @@ def _can_replace_group() -> bool:
             and callable(getattr(torch._C._distributed_c10d, "_unregister_process_group", None)))
 
 
+def register_buffer_sync_hook(ddp_module: Any, state: Any, hook: Any) -> None:
+    """DDP's buffer sync (its broadcast of rank 0's buffers before a training forward, where ``broadcast_buffers``
+    asks for it) done by ``hook(state, {name: buffer})`` instead, at the same point
+    (``DistributedDataParallel._register_buffer_comm_hook``, ``_BufferCommHookLocation.PRE_FORWARD``)."""
+    from torch.nn.parallel.distributed import _BufferCommHookLocation
+
+    ddp_module._register_buffer_comm_hook(state, hook, _BufferCommHookLocation.PRE_FORWARD)
+
+
+def _ddp_has_buffer_hooks() -> bool:
+    from torch.nn.parallel import distributed as ddp
+
+    location = getattr(ddp, "_BufferCommHookLocation", None)
+    return callable(getattr(ddp.DistributedDataParallel, "_register_buffer_comm_hook", None)) \
+        and hasattr(location, "PRE_FORWARD") and callable(getattr(ddp.DistributedDataParallel, "_sync_buffers", None))
+
+
 def _group_count_exists() -> bool:
     from torch.distributed import distributed_c10d as c10d
 
@@ -224,6 +241,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                lambda: WorkBase is not None and current_autograd_node is not _no_autograd_node
                and current_autograd_node() is None
                and all(__import__(m, fromlist=["_"]) is not None for m in C10D_MODULES)),
+    TouchPoint("DistributedDataParallel._register_buffer_comm_hook, _BufferCommHookLocation.PRE_FORWARD",
+               "ddp_sync_ft: DDP's buffer broadcast done across the replica groups of a step's quorum",
+               _ddp_has_buffer_hooks),
     TouchPoint("torch.distributed.distributed_c10d._world.group_count",
                "process groups of successive torchrun jobs (launcher)", _group_count_exists),
 )

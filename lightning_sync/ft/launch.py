@@ -9,7 +9,8 @@ one machine); with it, the groups join that one (a lighthouse shared by several 
 group (``recipes/launch_slurm_ft.sbatch``). Each group runs
 ``CMD`` (``P > 1``: under ``torchrun --nproc-per-node P``) in a session of its own with ``REPLICA_GROUP_ID``,
 ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``, ``LSYNC_FT_RESTART`` (0 in its first life, then 1, 2, ...),
-``LSYNC_FT_HOST`` and a ``MASTER_ADDR``/``MASTER_PORT`` of its own. A group that exits non-zero (or is
+``LSYNC_FT_HOST``, a ``MASTER_ADDR``/``MASTER_PORT`` of its own, and (unless set) ``OMP_NUM_THREADS``: the
+machine's cores divided among the processes started here, as Lightning's launcher divides them among its ranks. A group that exits non-zero (or is
 killed) is started again, up to ``K`` times, while the others go on training; torchft's quorum lets it back in
 and heals it from a live peer. The command exits 0 when every group finished with 0, else 1 naming each group
 that failed for good and its last cause. SIGINT/SIGTERM end every group (its whole session) and the lighthouse.
@@ -87,11 +88,22 @@ def _start_lighthouse(args: argparse.Namespace) -> tuple[Any, str]:
     return server, f"http://{args.host}:{port}"
 
 
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _spawn(group: _Group, args: argparse.Namespace, lighthouse: str) -> None:
     port = _free_port(args.host)
     env = dict(os.environ, REPLICA_GROUP_ID=str(group.index), NUM_REPLICA_GROUPS=str(args.replicas),
                TORCHFT_LIGHTHOUSE=lighthouse, LSYNC_FT_RESTART=str(group.restarts), LSYNC_FT_HOST=args.host,
                LSYNC_FT_MIN_REPLICAS=str(args.min_replicas), MASTER_ADDR=args.host, MASTER_PORT=str(port))
+    if "OMP_NUM_THREADS" not in env:
+        # the machine's cores shared by the processes started here, as Lightning's launcher shares them between
+        # the ranks it starts (and as a one-machine ddp run of the same ranks computes: same threads, same sums)
+        env["OMP_NUM_THREADS"] = str(max(1, _cpus() // args.local_processes))
     if args.host in ("127.0.0.1", "localhost") and "GLOO_SOCKET_IFNAME" not in env:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pairs on loopback, whatever the hostname resolves to
     command = list(args.command)
@@ -154,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lsync-ft-run: lighthouse {lighthouse}; {which} of {args.nproc_per_replica} "
           f"process(es), up to {args.max_restarts} restarts each", file=sys.stderr, flush=True)
     groups = [_Group(i) for i in indices]
+    args.local_processes = len(groups) * args.nproc_per_replica
     stopping: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:

@@ -34,11 +34,13 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import PathLike
+from lightning_sync._compat.torch_api import register_buffer_sync_hook
 from lightning_sync.errors import LightningSyncError
 from lightning_sync.invariance import rerun_dropout_step
 from lightning_sync.ft import ReplicaContext, ReplicaGroup, replica_context, require_torchft
 from lightning_sync.parts.base import Part
 from lightning_sync.seeding import CHECKPOINT_KEY, _collect_rng_state, _restore_rng_state
+from lightning_sync.step_state import BufferSnapshot, LoggedSnapshot
 from lightning_sync.strategy import SyncDDPStrategy
 
 __all__ = ["FaultTolerantDDPStrategy", "FT_PEER"]
@@ -175,6 +177,9 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
             raise LightningSyncError(
                 f"ddp_sync_ft averages gradients across replica groups in DDP's communication hook, but the model "
                 f"has one already ({err}). Drop DDPStrategy(ddp_comm_hook=...) under ddp_sync_ft.") from err
+        # DDP's broadcast of rank 0's buffers before a training forward (BatchNorm's running statistics): across
+        # the groups, from the quorum's first one, at the same points (none where broadcast_buffers=False)
+        register_buffer_sync_hook(model, self, _replica_buffer_broadcast)
 
     # ------------------------------------------------------------------ quorum, commit, recovery
 
@@ -209,11 +214,19 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                                      "every optimizer step); pass a larger batch instead.")
         manager = self.manager
         rng = _collect_rng_state()
+        # what a forward and self.log change outside the optimizer, put back before the step is run again
+        module = self.lightning_module
+        assert module is not None
+        buffers = BufferSnapshot(module)
+        logged = LoggedSnapshot(trainer, module) if trainer is not None else None
         failures = 0
         while True:
             if not self._quorum_open:  # a step run again: a new quorum of the groups still alive
                 _restore_rng_state(rng)
                 rerun_dropout_step()
+                buffers.put_back()  # BatchNorm's running statistics: updated once by the step, not twice
+                if logged is not None:
+                    logged.put_back()  # the epoch's logged means: this step's values counted once
                 healed = self.ft_report["healed"]
                 self.start_quorum()
                 if self.ft_report["healed"] > healed:
@@ -430,6 +443,35 @@ def _replica_allreduce_hook(strategy: FaultTolerantDDPStrategy, bucket: Any) -> 
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future
+
+
+def _replica_buffer_broadcast(strategy: FaultTolerantDDPStrategy, buffers: dict[str, torch.Tensor]) -> None:
+    """DDP's buffer sync across the replica groups of the current quorum, where DDP makes it (before a training
+    forward, and before the first evaluation forward after training): every group takes the buffers of the
+    quorum's first group, as DDP's ranks take rank 0's. One torchft all-reduce a dtype
+    (the first group sends its buffers, the others zeros: the sum is the first group's values, exactly); where the
+    quorum fails meanwhile, the buffers are left as they are (the step is not committed and is run again)."""
+    trainer = _compat.attached_trainer(getattr(strategy, "lightning_module", None))
+    if strategy._ctx is None or not buffers or trainer is None or trainer.sanity_checking:
+        return  # (a restarted group's sanity check runs alone: the others are training)
+    manager = strategy.manager
+    first = manager.participating_rank() == 0
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in buffers.values():
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for dtype, tensors in by_dtype.items():
+        wire = torch.uint8 if dtype == torch.bool else dtype
+        if first:
+            flat = torch.cat([t.detach().reshape(-1).to(wire) for t in tensors])
+        else:
+            flat = torch.zeros(sum(t.numel() for t in tensors), dtype=wire, device=tensors[0].device)
+        manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        if manager.errored() is not None:
+            return
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view(t.shape).to(dtype))
+            offset += t.numel()
 
 
 # DDP compares the hook's annotations with the objects themselves (this module's are strings)

@@ -32,6 +32,7 @@ from lightning_sync.errors import UnevenTrainingError
 from lightning_sync.invariance import InvariantLoader
 from lightning_sync.joining import AgreeingLoader, StepShare, wrap_evaluation_loader, wrap_training_loader
 from lightning_sync.parts.base import Part
+from lightning_sync.step_state import LoggedSnapshot
 
 __all__ = ["UNEVEN_MODES", "UnevenBatchPart"]
 
@@ -49,8 +50,7 @@ class UnevenBatchPart(Part):
         self.current: StepShare | None = None  # the running batch's share (until the next batch or the epoch's end)
         self.in_step = 0  # inside a step (training_step, validation_step, test_step, backward): its collectives join
         self.in_weighted_step = 0  # inside a step whose ranks hold different numbers of samples, none a stand-in
-        self._saved: list[tuple[Any, dict[str, Any]]] | None = None  # metric states before a stand-in step
-        self._logged: dict[str, Any] = {}  # the loop's logged values a stand-in step may add to
+        self._saved: LoggedSnapshot | None = None  # logged values and metric states before a stand-in step
 
     # ------------------------------------------------------------------ hooks
 
@@ -175,23 +175,15 @@ class UnevenBatchPart(Part):
         self.end_stand_in()
         self.current = loader.shares.popleft() if loader is not None and loader.shares else None
         if self.current is not None and self.current.shadow:
-            self._logged = _compat.running_results(trainer)
-            metrics = [*self._logged.values(), *_module_metrics(module)]
-            self._saved = [(m, _states(m)) for m in metrics]
+            self._saved = LoggedSnapshot(trainer, module)
 
     def end_stand_in(self) -> None:
         """Put back the metric states a stand-in step changed (at the next batch or the epoch's end, after
         every hook of the step and Lightning's own step-end logging ran); a value first logged in a stand-in
         step is emptied (its epoch value comes from the ranks with data)."""
         saved, self._saved = self._saved, None
-        if saved is None:
-            return
-        for metric, states in saved:
-            _put_back(metric, states)
-        known = {id(m) for m, _ in saved}
-        for metric in list(self._logged.values()):
-            if id(metric) not in known and getattr(metric, "is_tensor", False):
-                metric.reset()
+        if saved is not None:
+            saved.put_back()
 
 
 class _JoinedSteps(pl.Callback):
@@ -284,36 +276,3 @@ def _refused(share: StepShare, op: str, site: str) -> UnevenTrainingError:
         "uneven_batches='error'.",
         shown,
     )
-
-
-def _module_metrics(module: Any) -> list[Any]:
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - a dependency of Lightning
-        return []
-    return [m for m in module.modules() if isinstance(m, Metric)]
-
-
-def _states(metric: Any) -> dict[str, Any]:
-    """A metric's accumulated states: (the object, a copy) per state, and its update bookkeeping."""
-    states: dict[str, Any] = {}
-    for name in getattr(metric, "_defaults", {}):
-        value = getattr(metric, name)
-        states[name] = (value, value.clone() if isinstance(value, Tensor) else list(value) if isinstance(value, list)
-                        else value)
-    states["_update_count"] = (None, getattr(metric, "_update_count", 0))
-    return states
-
-
-def _put_back(metric: Any, states: dict[str, Any]) -> None:
-    if hasattr(metric, "_computed"):
-        object.__setattr__(metric, "_computed", None)  # a cached compute() of other states: recomputed
-    for name, (original, copy) in states.items():
-        current = getattr(metric, name, None)
-        if isinstance(copy, Tensor) and current is original and isinstance(current, Tensor) \
-                and current.shape == copy.shape:
-            current.copy_(copy)  # in place: metrics sharing a state tensor (compute groups) keep sharing it
-        elif isinstance(copy, list) and isinstance(current, list) and current is original:
-            current[:] = copy
-        else:
-            object.__setattr__(metric, name, copy) if name.startswith("_") else setattr(metric, name, copy)

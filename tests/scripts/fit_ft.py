@@ -1,14 +1,14 @@
 """A Lightning fit under ``strategy="ddp_sync_ft"`` (one process per replica group), for tests/test_ft.py.
 
-Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--kill-at S] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop]
+Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--kill-at S] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--batchnorm] [--val]
 Without it (the control): python tests/scripts/fit_ft.py --out DIR --control  (Lightning's 2-rank ddp_sync run
 of the same model, seed and data; each rank takes the shard a replica group takes).
 
 An MLP with dropout (``--dropout``, 0.1), momentum SGD, 640 shuffled samples, 16 a group a step. ``--kill-at S``: group 1 SIGKILLs
 itself in its first life in the middle of step S + 1 (before its backward) (lsync-ft-run restarts it; it recovers from group 0), and
 group 0 sleeps ``--alone-sleep`` after each step it trains alone (so it is still training when group 1 is back).
-Each group appends one JSON line a step to OUT/group<g>.log and writes OUT/group<g>.pt (weights, report) at the
-end of fit.
+Each group appends one JSON line a step to OUT/group<g>.log and one an epoch (its logged epoch means) to
+OUT/group<g>.epochs, and writes OUT/group<g>.pt (weights, state_dict, report) at the end of fit.
 """
 
 from __future__ import annotations
@@ -29,17 +29,23 @@ import lightning_sync as ls
 
 
 class Model(L.LightningModule):
-    def __init__(self, dropout: float) -> None:
+    def __init__(self, dropout: float, batchnorm: bool = False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 1))
+        norm = [nn.BatchNorm1d(32)] if batchnorm else []
+        self.net = nn.Sequential(nn.Linear(8, 32), *norm, nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
         self.log("loss", loss)
+        self.log("loss_mean", loss, on_step=False, on_epoch=True)  # per group: each step's value counted once
         # per group, never synced: group 1 alone asks EarlyStopping to stop (--early-stop)
         self.log("group_flag", float(os.environ.get("REPLICA_GROUP_ID") == "1"), on_step=False, on_epoch=True)
         return loss
+
+    def validation_step(self, batch, batch_idx):  # (--val) uses BatchNorm's running statistics
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x).squeeze(-1), y), sync_dist=True)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
@@ -54,6 +60,19 @@ class Steps(L.Callback):
         if self.group == 1 and self.life == 0 and trainer.global_step == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._epoch_means(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._epoch_means(trainer)
+
+    def _epoch_means(self, trainer) -> None:  # the epoch that ended: its logged means, as this group saw them
+        if "loss_mean" in trainer.callback_metrics:
+            line = {"epoch_end": trainer.current_epoch, "life": self.life,
+                    **{k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith("ft/")}}
+            with open(self.out / f"group{self.group}.epochs", "a") as f:
+                f.write(json.dumps(line) + "\n")
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         report = dict(getattr(trainer.strategy, "ft_report", {}))
         weights = torch.cat([t.detach().flatten() for t in pl_module.parameters()])
@@ -65,10 +84,10 @@ class Steps(L.Callback):
             time.sleep(self.alone_sleep)
 
 
-def data() -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(640, 8, generator=g)
-    return TensorDataset(x, x @ torch.linspace(-1, 1, 8) + 0.1 * torch.randn(640, generator=g))
+def data(seed: int = 0, n: int = 640) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, x @ torch.linspace(-1, 1, 8) + 0.1 * torch.randn(n, generator=g))
 
 
 def main() -> None:
@@ -79,6 +98,8 @@ def main() -> None:
     p.add_argument("--alone-sleep", type=float, default=0.0)
     p.add_argument("--control", action="store_true")
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (running statistics: buffers)")
+    p.add_argument("--val", action="store_true", help="a validation loader, every 10 steps (val_loss, sync_dist)")
     p.add_argument("--no-seed", action="store_true", help="the mistake: no seed every group knows")
     p.add_argument("--early-stop", action="store_true",
                    help="EarlyStopping on a per-group value: only group 1 wants to stop, at the end of epoch 0")
@@ -87,7 +108,7 @@ def main() -> None:
     args = p.parse_args()
     if not args.no_seed:
         L.seed_everything(7, verbose=False)
-    model = Model(args.dropout)
+    model = Model(args.dropout, args.batchnorm)
     if args.control:
         group, life = int(os.environ.get("LOCAL_RANK", "0")), 0
         strategy: object = ls.SyncDDPStrategy(world_size_invariant=args.invariant)
@@ -97,13 +118,15 @@ def main() -> None:
         strategy = ls.FaultTolerantDDPStrategy(world_size_invariant=True) if args.invariant else "ddp_sync_ft"
         devices = 1
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=args.steps, logger=False,
+                        **({"val_check_interval": 10} if args.val else {}),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Steps(args.out, group, life, args.kill_at, args.alone_sleep)]
                         + ([L.pytorch.callbacks.EarlyStopping("group_flag", mode="max", stopping_threshold=0.5,
                                                                check_on_train_epoch_end=True)] if args.early_stop else []))
-    trainer.fit(model, DataLoader(data(), batch_size=32 if args.invariant else 16, shuffle=True))
+    val = DataLoader(data(seed=1, n=96), batch_size=16) if args.val else None
+    trainer.fit(model, DataLoader(data(), batch_size=32 if args.invariant else 16, shuffle=True), val)
     weights = torch.cat([t.detach().flatten() for t in model.parameters()])
-    torch.save({"weights": weights, "life": life, "global_step": trainer.global_step,
+    torch.save({"weights": weights, "state": model.state_dict(), "life": life, "global_step": trainer.global_step,
                 "report": dict(getattr(trainer.strategy, "ft_report", {}))}, args.out / f"group{group}.pt")
 
 

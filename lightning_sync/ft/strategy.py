@@ -419,14 +419,19 @@ def _recover_from_peer(strategy: FaultTolerantDDPStrategy) -> None:
 class _StepBoundary(pl.Callback):
     def __init__(self, strategy: FaultTolerantDDPStrategy) -> None:
         self._strategy = strategy
+        self._logged: tuple[int, int] | None = None  # the counts last logged
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy = self._strategy
         if strategy._ctx is None:
             return
         report = strategy.ft_report
-        pl_module.log("ft/participants", float(report["participants"]), on_step=True, on_epoch=False)
-        pl_module.log("ft/missing_shards", float(report["missing_shards"]), on_step=True, on_epoch=False)
+        counts = (report["participants"], report["missing_shards"])
+        if counts != self._logged or trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
+            # (a log call costs Lightning's bookkeeping: logged where the logger writes, and whenever they change)
+            self._logged = counts
+            pl_module.log("ft/participants", float(counts[0]), on_step=True, on_epoch=False)
+            pl_module.log("ft/missing_shards", float(counts[1]), on_step=True, on_epoch=False)
         # where a checkpoint of this step would be written: a group recovering from this one at the next step's
         # quorum (at its start, after every hook of this one) is sent this position with the weights it has then
         strategy.mark_step_boundary(trainer)
@@ -448,30 +453,26 @@ def _replica_allreduce_hook(strategy: FaultTolerantDDPStrategy, bucket: Any) -> 
 def _replica_buffer_broadcast(strategy: FaultTolerantDDPStrategy, buffers: dict[str, torch.Tensor]) -> None:
     """DDP's buffer sync across the replica groups of the current quorum, where DDP makes it (before a training
     forward, and before the first evaluation forward after training): every group takes the buffers of the
-    quorum's first group, as DDP's ranks take rank 0's. One torchft all-reduce a dtype
-    (the first group sends its buffers, the others zeros: the sum is the first group's values, exactly); where the
-    quorum fails meanwhile, the buffers are left as they are (the step is not committed and is run again)."""
+    quorum's first group, as DDP's ranks take rank 0's. One torchft all-reduce of the buffers' bytes (the first
+    group sends them, the others zeros: the byte-wise sum is the first group's bytes, whatever the dtypes); where
+    the quorum fails meanwhile, the buffers are left as they are (the step is not committed and is run again)."""
     trainer = _compat.attached_trainer(getattr(strategy, "lightning_module", None))
     if strategy._ctx is None or not buffers or trainer is None or trainer.sanity_checking:
         return  # (a restarted group's sanity check runs alone: the others are training)
     manager = strategy.manager
-    first = manager.participating_rank() == 0
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for buffer in buffers.values():
-        by_dtype.setdefault(buffer.dtype, []).append(buffer)
-    for dtype, tensors in by_dtype.items():
-        wire = torch.uint8 if dtype == torch.bool else dtype
-        if first:
-            flat = torch.cat([t.detach().reshape(-1).to(wire) for t in tensors])
-        else:
-            flat = torch.zeros(sum(t.numel() for t in tensors), dtype=wire, device=tensors[0].device)
-        manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        if manager.errored() is not None:
-            return
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view(t.shape).to(dtype))
-            offset += t.numel()
+    tensors = list(buffers.values())
+    views = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    if manager.participating_rank() == 0:
+        wire = torch.cat(views)
+    else:
+        wire = torch.zeros(sum(v.numel() for v in views), dtype=torch.uint8, device=tensors[0].device)
+    manager.allreduce(wire, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+    if manager.errored() is not None:
+        return
+    offset = 0
+    for t, v in zip(tensors, views):
+        t.copy_(wire[offset:offset + v.numel()].clone().view(t.dtype).view(t.shape))  # (clone: aligned for t.dtype)
+        offset += v.numel()
 
 
 # DDP compares the hook's annotations with the objects themselves (this module's are strings)

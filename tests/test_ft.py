@@ -233,6 +233,20 @@ def test_an_early_stop_one_group_asks_for_stops_every_group_at_the_same_step(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_timer_that_runs_out_in_the_first_group_stops_every_group_at_the_same_step(tmp_path: Path) -> None:
+    """Timer's stop is Lightning's broadcast of a bool from rank 0: across the quorum's groups too, from its first
+    group. Group 0's Timer runs out after 1 s, group 1's would in an hour: both stop at the same step, long before
+    max_steps, with equal weights. (Before, group 0 stopped alone and group 1 trained on alone to max_steps.)"""
+    proc = _ft_run(tmp_path, ["--replicas", "2"], ["--steps", "400", "--timer"], script=FIT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    first, second = torch.load(tmp_path / "group0.pt"), torch.load(tmp_path / "group1.pt")
+    assert first["global_step"] == second["global_step"] < 400, (first["global_step"], second["global_step"])
+    assert torch.equal(first["weights"], second["weights"])
+    assert first["report"]["missing_shards"] == second["report"]["missing_shards"] == 0
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_replica_groups_without_a_common_seed_are_refused_before_training(tmp_path: Path) -> None:
     proc = _ft_run(tmp_path, ["--replicas", "1", "--max-restarts", "0"], ["--steps", "4", "--no-seed"], script=FIT)

@@ -114,6 +114,7 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         self._received: dict[str, Any] | None = None
         self._peer_checkpoint: _LivePeerCheckpoint | None = None  # a restarted group's fit: where it recovers from
         self._boundary: dict[str, Any] = {}  # the position entries of a checkpoint at the last step boundary
+        self._in_step_with_others = False  # from on_train_start to the end of fit: every group at the same step
         #: what torchft decided so far in this group's life (see ``docs/fault_tolerance.md``)
         self.ft_report: dict[str, int] = {"committed": 0, "redone": 0, "caught_up": 0, "missing_shards": 0,
                                           "healed": 0, "participants": 0}
@@ -272,6 +273,23 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         yes, voters = float(votes[0]), float(votes[1])
         return yes == voters if all else yes > 0
 
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's broadcast of a decision (``Timer``'s stop, ``ModelCheckpoint``'s time-based skip: a bool),
+        across the replica groups too while they train in step: every group takes the quorum's first group's, as
+        DDP's ranks take rank 0's. Other objects (paths, configs) and calls outside training stay in the group (a
+        restarted group's set-up runs alone)."""
+        obj = super().broadcast(obj, src)
+        trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
+        if (type(obj) is not bool or self._ctx is None or not self._in_step_with_others or trainer is None
+                or trainer.sanity_checking or trainer.state.fn != "fit"):
+            return obj
+        manager = self.manager
+        mine = torch.tensor([float(obj) if manager.participating_rank() == 0 else 0.0], dtype=torch.float64)
+        manager.allreduce(mine, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        if manager.errored() is not None:
+            return obj  # a group was lost meanwhile: the next step's quorum deals with it
+        return bool(mine.item() > 0.5)
+
     def _state_for_peer(self) -> dict[str, Any]:
         """What a recovering group is sent (torchft's quorum thread, while this group's training thread waits in
         ``start_quorum`` at a step boundary): the Lightning checkpoint this group would write now."""
@@ -363,6 +381,7 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
     def teardown(self) -> None:
         ctx, self._ctx = self._ctx, None
         self._quorum_open = False
+        self._in_step_with_others = False
         try:
             super().teardown()
         finally:
@@ -389,6 +408,7 @@ class _FaultTolerancePart(Part):
     def on_train_start(self, strategy: Any, trainer: Any) -> None:
         if self._strategy._ctx is not None and trainer is not None:
             self._strategy.mark_step_boundary(trainer)  # (restored, or at the start: the first step's boundary)
+            self._strategy._in_step_with_others = True
 
     def configure_launcher(self, strategy: Any) -> None:
         if strategy.launcher is not None:

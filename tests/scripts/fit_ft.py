@@ -1,6 +1,6 @@
 """A Lightning fit under ``strategy="ddp_sync_ft"`` (one process per replica group), for tests/test_ft.py.
 
-Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--kill-at S] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--batchnorm] [--val]
+Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--kill-at S] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--timer] [--batchnorm] [--val]
 Without it (the control): python tests/scripts/fit_ft.py --out DIR --control  (Lightning's 2-rank ddp_sync run
 of the same model, seed and data; each rank takes the shard a replica group takes).
 
@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -103,6 +104,8 @@ def main() -> None:
     p.add_argument("--no-seed", action="store_true", help="the mistake: no seed every group knows")
     p.add_argument("--early-stop", action="store_true",
                    help="EarlyStopping on a per-group value: only group 1 wants to stop, at the end of epoch 0")
+    p.add_argument("--timer", action="store_true",
+                   help="Timer in every group: group 0's runs out after 1 s of training, group 1's after an hour")
     p.add_argument("--invariant", action="store_true",
                    help="world_size_invariant=True: the loader's batch is the global one (32); --control runs 1 process")
     args = p.parse_args()
@@ -122,7 +125,9 @@ def main() -> None:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Steps(args.out, group, life, args.kill_at, args.alone_sleep)]
                         + ([L.pytorch.callbacks.EarlyStopping("group_flag", mode="max", stopping_threshold=0.5,
-                                                               check_on_train_epoch_end=True)] if args.early_stop else []))
+                                                               check_on_train_epoch_end=True)] if args.early_stop else [])
+                        + ([L.pytorch.callbacks.Timer(timedelta(seconds=1 if group == 0 else 3600))] if args.timer
+                           else []))
     val = DataLoader(data(seed=1, n=96), batch_size=16) if args.val else None
     trainer.fit(model, DataLoader(data(), batch_size=32 if args.invariant else 16, shuffle=True), val)
     weights = torch.cat([t.detach().flatten() for t in model.parameters()])

@@ -417,23 +417,13 @@ class _FaultTolerancePart(Part):
 
 def _recover_from_peer(strategy: FaultTolerantDDPStrategy) -> None:
     """``fit`` without ``ckpt_path`` takes the checkpoint of a live group ahead of this one, if any (``FT_PEER``)."""
-    import inspect
+    from lightning_sync.resume.auto import fill_fit_ckpt_path
 
-    from lightning_sync._compat.lightning_api import FIT_IMPL_NAME
+    def live_peer(trainer: Any) -> _LivePeerCheckpoint:
+        strategy._peer_checkpoint = _LivePeerCheckpoint(FT_PEER)
+        return strategy._peer_checkpoint
 
-    launcher: Any = strategy.launcher
-    inner = launcher.launch
-
-    def launch(function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        if trainer is not None and getattr(function, "__name__", "") == FIT_IMPL_NAME:
-            bound = inspect.signature(function).bind(*args, **kwargs)
-            if bound.arguments.get("ckpt_path") is None:
-                strategy._peer_checkpoint = _LivePeerCheckpoint(FT_PEER)
-                bound.arguments["ckpt_path"] = strategy._peer_checkpoint
-            args, kwargs = bound.args, bound.kwargs
-        return inner(function, *args, trainer=trainer, **kwargs)
-
-    setattr(launcher, "launch", launch)
+    fill_fit_ckpt_path(strategy.launcher, live_peer)
 
 
 class _StepBoundary(pl.Callback):

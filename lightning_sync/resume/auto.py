@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning_sync.ranks import announced_global_rank
 
-__all__ = ["auto_resume_directories", "find_resume_checkpoint", "install_auto_resume"]
+__all__ = ["auto_resume_directories", "fill_fit_ckpt_path", "find_resume_checkpoint", "install_auto_resume"]
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +48,13 @@ def find_resume_checkpoint(directories: list[Path]) -> Path | None:
     return None
 
 
-def install_auto_resume(launcher: Any, directories: Any) -> None:
-    """Make ``launcher.launch`` resume ``fit`` without ``ckpt_path`` from the newest complete checkpoint.
+def fill_fit_ckpt_path(launcher: Any, choose: Any) -> None:
+    """Make ``launcher.launch`` call ``fit`` with ``ckpt_path=choose(trainer)`` where ``fit`` was given none (and
+    ``choose`` returns something).
 
-    The launcher object stays what it is (Lightning checks its type); only its ``launch`` gains a
-    step. Each rank searches the same ``directories(trainer)`` before the process group exists
-    (after an elastic restart every rank starts again).
+    The launcher object stays what it is (Lightning checks its type); only its ``launch`` gains a step, run on
+    every rank before the process group exists. The one place that rewrites ``fit``'s arguments:
+    :func:`install_auto_resume` chooses the newest complete checkpoint, ``ddp_sync_ft`` a live replica group.
     """
     import inspect
 
@@ -65,19 +66,35 @@ def install_auto_resume(launcher: Any, directories: Any) -> None:
         if trainer is not None and getattr(function, "__name__", "") == FIT_IMPL_NAME:
             bound = inspect.signature(function).bind(*args, **kwargs)
             if bound.arguments.get("ckpt_path") is None:
-                dirs = directories(trainer)
-                chosen = find_resume_checkpoint(dirs) if dirs else None
-                where = ", ".join(map(str, dirs))
+                chosen = choose(trainer)
                 if chosen is not None:
-                    log.warning("lightning_sync: resume: resuming from %s (the newest complete checkpoint under "
-                                "%s).", chosen, where)
-                    bound.arguments["ckpt_path"] = str(chosen)
-                elif dirs:
-                    log.info("lightning_sync: resume: no checkpoint under %s; starting fresh.", where)
+                    bound.arguments["ckpt_path"] = chosen
                 args, kwargs = bound.args, bound.kwargs
         return inner(function, *args, trainer=trainer, **kwargs)
 
     setattr(launcher, "launch", launch)
+
+
+def install_auto_resume(launcher: Any, directories: Any) -> None:
+    """Make ``launcher.launch`` resume ``fit`` without ``ckpt_path`` from the newest complete checkpoint.
+
+    Each rank searches the same ``directories(trainer)`` before the process group exists (after an elastic
+    restart every rank starts again).
+    """
+
+    def newest(trainer: Any) -> str | None:
+        dirs = directories(trainer)
+        chosen = find_resume_checkpoint(dirs) if dirs else None
+        where = ", ".join(map(str, dirs))
+        if chosen is not None:
+            log.warning("lightning_sync: resume: resuming from %s (the newest complete checkpoint under %s).",
+                        chosen, where)
+            return str(chosen)
+        if dirs:
+            log.info("lightning_sync: resume: no checkpoint under %s; starting fresh.", where)
+        return None
+
+    fill_fit_ckpt_path(launcher, newest)
 
 
 def auto_resume_directories(resume: str) -> Any:

@@ -221,8 +221,27 @@ class KeyedSampleDataset(Dataset[Any]):
         finally:
             torch.default_generator.set_state(torch_state)
 
+    def __getitems__(self, keys: list[Any]) -> list[Any]:
+        """A batch's samples (torch's fetcher asks for the batch at once): each drawn as ``self[key]`` draws it; in
+        the main process torch's state is saved once for the batch and put back after it. The wrapped data set's
+        own ``__getitems__`` is not used: each sample is keyed."""
+        if not keys or not isinstance(keys[0], SampleKey):
+            return [self[key] for key in keys]
+        dataset, root = self.dataset, self.root
+        in_worker = torch.utils.data.get_worker_info() is not None
+        torch_state = None if in_worker else torch.default_generator.get_state()
+        try:
+            samples = []
+            for key in keys:
+                _seed_cpu_generators(derive_seed(root, "sample", key.epoch, key.sample))
+                samples.append(dataset[key.sample])
+            return samples
+        finally:
+            if torch_state is not None:
+                torch.default_generator.set_state(torch_state)
+
     def __getattr__(self, name: str) -> Any:
-        # the wrapped data set's own attributes (not dunders: ``__getitems__`` would bypass the keys)
+        # the wrapped data set's own attributes (not dunders: its ``__getitems__`` would bypass the keys)
         if name.startswith("__") or name in ("dataset", "_root"):
             raise AttributeError(name)
         return getattr(self.dataset, name)

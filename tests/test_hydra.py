@@ -229,7 +229,7 @@ def test_cluster_mismatch_is_a_config_error(name: str, monkeypatch: pytest.Monke
     with pytest.raises(ConfigError, match="Fix: ") as err:
         check_config(cfg)
     assert message in str(err.value)
-# Every value against the schema (lightning_sync/schema.py), in-process: key, value, why and fix.
+# Every value against the schema (lightning_sync/app/schema.py), in-process: key, value, why and fix.
 BAD_VALUES = {
     "model.lr=abc": "model.lr=abc: must be float (the type of DigitsCNN's argument lr). Fix: model.lr=0.1",
     "model.lr=-0.1": "model.lr=-0.1: must be > 0. Fix: model.lr=0.1",

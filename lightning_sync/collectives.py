@@ -30,10 +30,8 @@ Only ``torch.distributed`` is imported here, never Lightning.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
-import pickle
 import secrets
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sync._compat.torch_api import all_gather_single as _all_gather_single
+from lightning_sync._pickling import from_bytes, to_bytes
 from lightning_sync.errors import CollectiveMismatchError, RankMismatchError, format_ranks
 
 __all__ = [
@@ -677,68 +676,14 @@ def _gather_rows(fn: str, tensors: dict[str, Tensor], group: dist.ProcessGroup |
 # objects
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles plain CPU tensors as raw bytes: no ``torch.save`` (a tensor's own pickling runs it for the
-    storage) on ranks that write no file, and a format the restricted unpickler can read."""
-
-    def persistent_id(self, obj: Any) -> Any:
-        if type(obj) is Tensor and obj.layout == torch.strided and obj.device.type in ("cpu", "cuda"):
-            flat = obj.detach().contiguous().reshape(-1).cpu()
-            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-            return ("tensor", str(obj.dtype).removeprefix("torch."), tuple(obj.shape), raw, obj.requires_grad,
-                    obj.device.type)
-        return None
-
-
-# What safe=True lets a peer's bytes name besides plain containers (every other global is refused).
-_SAFE_GLOBALS = {("builtins", n) for n in ("set", "frozenset", "complex", "bytearray", "slice", "range")} | {
-    ("collections", "OrderedDict"), ("torch", "Size")}
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, safe: bool) -> None:
-        super().__init__(file)
-        self._safe = safe
-
-    def persistent_load(self, pid: Any) -> Any:
-        kind, dtype_name, shape, raw, requires_grad, device = pid
-        dtype = getattr(torch, dtype_name, None)
-        if kind != "tensor" or not isinstance(dtype, torch.dtype):
-            raise pickle.UnpicklingError(f"unknown persistent id {kind!r} {dtype_name!r}")
-        if raw:
-            tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
-        else:
-            tensor = torch.empty(shape, dtype=dtype)
-        if device == "cuda" and torch.cuda.is_available():  # a CUDA tensor lands on this rank's current device
-            tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))
-        return tensor.requires_grad_(bool(requires_grad)) if requires_grad else tensor
-
-    def find_class(self, module: str, name: str) -> Any:
-        if self._safe and (module, name) not in _SAFE_GLOBALS and not (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
-        return super().find_class(module, name)
-
-
-def _to_bytes(obj: Any) -> Tensor:
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-
-
-def _from_bytes(buf: Tensor, safe: bool) -> Any:
-    # safe: plain containers, numbers, strings, CPU tensors, dtypes; no other globals, so no code runs.
-    return _Unpickler(io.BytesIO(buf.cpu().numpy().tobytes()), safe).load()
-
-
 def _pickle(fn: str, obj: Any, safe: bool) -> tuple[Tensor | None, _Problem | None]:
     try:
-        payload = _to_bytes(obj)
+        payload = to_bytes(obj)
     except Exception as err:  # noqa: BLE001 - pickling raises PicklingError, TypeError, AttributeError...
         return None, _Problem(TypeError, f"cannot pickle {_value(obj)}: {type(err).__name__}: {err}")
     if safe:  # refuse on the sender what every receiver would refuse, while every rank can still hear it
         try:
-            _from_bytes(payload, safe=True)
+            from_bytes(payload, safe=True)
         except Exception as err:  # noqa: BLE001
             first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
             return None, _Problem(TypeError, f"safe=True accepts plain data only (numbers, strings, lists, tuples, "
@@ -785,7 +730,7 @@ def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = N
     size = records[ranks.index(src)][_I_PAYLOAD]
     buf = payload.to(device) if payload is not None else torch.empty(size, dtype=torch.uint8, device=device)
     dist.broadcast(buf, src=src, group=group)
-    return obj if rank == src else _from_bytes(buf, safe)
+    return obj if rank == src else from_bytes(buf, safe)
 
 
 def gather_objects(obj: Any, dst: int | None = None, group: dist.ProcessGroup | None = None, safe: bool = False
@@ -831,7 +776,7 @@ def gather_objects(obj: Any, dst: int | None = None, group: dist.ProcessGroup | 
     blocks = _padded_exchange([payload.to(device)], sizes, group, device, dst)
     if blocks is None:
         return None
-    return [_from_bytes(chunk, safe) for chunk in _trim(blocks, sizes)]
+    return [from_bytes(chunk, safe) for chunk in _trim(blocks, sizes)]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import lightning_sync as ls
+from lightning_sync import _pickling as P
 from lightning_sync import collectives as C
 from tests.distributed import run_ranks
 
@@ -314,11 +315,11 @@ def test_safe_unpickler_refuses_code() -> None:
 
     evil = torch.frombuffer(bytearray(pickle.dumps(Evil())), dtype=torch.uint8)
     with pytest.raises(pickle.UnpicklingError):
-        C._from_bytes(evil, safe=True)
+        P.from_bytes(evil, safe=True)
     plain = {"a": [1, 2.5, "x", (None, True)], "t": torch.arange(3), "dtype": torch.bfloat16, "s": {1, 2},
              "empty": torch.zeros(0, 4), "bf": torch.randn(2, 3).to(torch.bfloat16), "scalar": torch.tensor(2.5),
              "w": torch.ones(2, requires_grad=True), "view": torch.arange(10)[::3]}
-    back = C._from_bytes(C._to_bytes(plain), safe=True)
+    back = P.from_bytes(P.to_bytes(plain), safe=True)
     assert back["a"] == plain["a"] and back["dtype"] is torch.bfloat16 and back["s"] == {1, 2}
     for key in ("t", "empty", "bf", "scalar", "w", "view"):
         assert back[key].dtype == plain[key].dtype and torch.equal(back[key], plain[key].detach()), key
@@ -332,7 +333,7 @@ def test_object_payloads_never_call_torch_save(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(torch, "save", lambda *a, **k: calls.append(a))
     state = {"torch": torch.get_rng_state(), "keys": torch.arange(624, dtype=torch.int64), "n": 3}
     for safe in (False, True):
-        back = C._from_bytes(C._to_bytes(state), safe=safe)
+        back = P.from_bytes(P.to_bytes(state), safe=safe)
         assert torch.equal(back["torch"], state["torch"]) and torch.equal(back["keys"], state["keys"])
     assert calls == []
 

@@ -57,6 +57,7 @@ def _nccl_world_of_one(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import lightning_sync as ls
+    from lightning_sync import _pickling as P_
     from lightning_sync import collectives as C_
     from lightning_sync._compat.torch_api import TorchSyncBatchNormFunction
     from lightning_sync.guard import CollectiveGuard
@@ -86,8 +87,8 @@ def _nccl_world_of_one(rank: int, world: int) -> dict[str, Any]:
     out["padded"] = C_._padded_exchange([payload[:4], payload[4:7]], [7], None, cuda)
     out["padded_dst"] = C_._padded_exchange([payload], [10], None, cuda, dst=0)
     out["texts"] = C_._all_gather_texts("gpu ✓", None, cuda)
-    raw = C_._to_bytes({"t": torch.arange(3.0, device=cuda)})
-    back = C_._from_bytes(raw, safe=True)
+    raw = P_.to_bytes({"t": torch.arange(3.0, device=cuda)})
+    back = P_.from_bytes(raw, safe=True)
     out["devices"]["unpickled"] = back["t"].device.type
     out["unpickled"] = back
     # the guard around NCCL work (no sliced waits there: NCCL's wait(timeout) aborts the communicator)

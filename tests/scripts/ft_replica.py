@@ -19,10 +19,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from torch import nn
+if "--fail-always" in sys.argv and os.environ.get("REPLICA_GROUP_ID") == "1":
+    # group 1 fails in every life before it imports anything heavy: both of its lives end while group 0 is still
+    # importing torch, so lsync-ft-run sees them while the run goes on (a race in CI when group 1 failed later)
+    sys.exit(3)
 
-from lightning_sync.ft import ReplicaGroup, replica_context
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from lightning_sync.ft import ReplicaGroup, replica_context  # noqa: E402
 
 BATCH = 8
 

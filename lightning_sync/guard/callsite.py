@@ -82,7 +82,9 @@ def _stdlib_dirs() -> tuple[str, ...]:
 # The package's own training entry point is the user's code as far as call sites go: its ranks may
 # start differently (rank 0 as the `lsync-train` console script, the others as `python -m`), so the
 # frames outside it differ while its own lines are the same on every rank.
-_ENTRY_POINTS = frozenset({os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")})
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ENTRY_POINTS = frozenset({os.path.join(_PACKAGE_DIR, "app", "train.py"),
+                           os.path.join(_PACKAGE_DIR, "train.py")})  # (the main job's old module name)
 
 
 _RESULT_SYNCS = frozenset({"compute", "update"})

@@ -187,7 +187,9 @@ def main() -> None:
     # exact_eval=False and Lightning's own ddp on the same loaders (last: ddp keeps its process group)
     if not args.quick:
         model = Model(len(TEST_CONFIGS))
-        t = trainer(ls.SyncDDPStrategy(exact_eval=False))
+        t = trainer(ls.SyncDDPStrategy(exact_eval=False, seed=0))  # a fixed seed: the padded duplicates (a shuffled
+        # loader pads with the first indices of its order) are the same in every run, and so is how far they move
+        # the values (with an entropy seed they once moved the loss by 7.7e-6, under the 1e-5 the test asks of them)
         t.validate(model, loaders(TEST_CONFIGS), verbose=False)
         report["padded"] = {"metrics": floats(t.callback_metrics), "seen": model.seen}
     model = Model(len(TEST_CONFIGS))

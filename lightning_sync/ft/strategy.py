@@ -283,12 +283,10 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         if (type(obj) is not bool or self._ctx is None or not self._in_step_with_others or trainer is None
                 or trainer.sanity_checking or trainer.state.fn != "fit"):
             return obj
-        manager = self.manager
-        mine = torch.tensor([float(obj) if manager.participating_rank() == 0 else 0.0], dtype=torch.float64)
-        manager.allreduce(mine, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        if manager.errored() is not None:
+        decided = _from_first_group(self, torch.tensor([float(obj)], dtype=torch.float64))
+        if decided is None:
             return obj  # a group was lost meanwhile: the next step's quorum deals with it
-        return bool(mine.item() > 0.5)
+        return bool(decided.item() > 0.5)
 
     def _state_for_peer(self) -> dict[str, Any]:
         """What a recovering group is sent (torchft's quorum thread, while this group's training thread waits in
@@ -460,6 +458,17 @@ def _replica_allreduce_hook(strategy: FaultTolerantDDPStrategy, bucket: Any) -> 
     return future
 
 
+def _from_first_group(strategy: FaultTolerantDDPStrategy, tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor`` as the current quorum's first group holds it, on every group (a broadcast made of one torchft
+    all-reduce: the first group sends its values, the others zeros, summed); ``None`` where the quorum failed
+    meanwhile (the caller keeps its own value: the step is not committed, and the next quorum deals with it)."""
+    manager = strategy.manager
+    if manager.participating_rank() != 0:
+        tensor = torch.zeros_like(tensor)
+    manager.allreduce(tensor, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+    return None if manager.errored() is not None else tensor
+
+
 def _replica_buffer_broadcast(strategy: FaultTolerantDDPStrategy, buffers: dict[str, torch.Tensor]) -> None:
     """DDP's buffer sync across the replica groups of the current quorum, where DDP makes it (before a training
     forward, and before the first evaluation forward after training): every group takes the buffers of the
@@ -469,15 +478,10 @@ def _replica_buffer_broadcast(strategy: FaultTolerantDDPStrategy, buffers: dict[
     trainer = _compat.attached_trainer(getattr(strategy, "lightning_module", None))
     if strategy._ctx is None or not buffers or trainer is None or trainer.sanity_checking:
         return  # (a restarted group's sanity check runs alone: the others are training)
-    manager = strategy.manager
     tensors = list(buffers.values())
     views = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    if manager.participating_rank() == 0:
-        wire = torch.cat(views)
-    else:
-        wire = torch.zeros(sum(v.numel() for v in views), dtype=torch.uint8, device=tensors[0].device)
-    manager.allreduce(wire, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-    if manager.errored() is not None:
+    wire = _from_first_group(strategy, torch.cat(views))  # bytes: one all-reduce whatever the dtypes
+    if wire is None:
         return
     offset = 0
     for t, v in zip(tensors, views):

@@ -115,10 +115,11 @@ class GlobalBatchSampler:
     def __len__(self) -> int:
         return global_steps(self.num_samples, self.batch_size, self.drop_last)
 
-    def sizes(self, step: int) -> tuple[int, ...]:
-        """Every rank's real row count in ``step`` (0: a stand-in step on that rank)."""
+    def sizes(self, step: int, world_size: int | None = None) -> tuple[int, ...]:
+        """Every rank's real row count in ``step`` (0: a stand-in step on that rank); ``world_size``: split over
+        that many ranks instead of this plan's."""
         rows = min(self.batch_size, self.num_samples - step * self.batch_size)
-        return tuple(shard_sizes(rows, self.world_size))
+        return tuple(shard_sizes(rows, self.world_size if world_size is None else world_size))
 
     def share(self, step: int) -> StepShare:
         sizes = self.sizes(step)
@@ -139,6 +140,13 @@ class GlobalBatchSampler:
         first = step * self.batch_size + sum(sizes[:self.rank])
         epoch = self.epoch
         return [SampleKey(epoch, int(i)) for i in self._epoch_order().take(first, first + sizes[self.rank])]
+
+    def rows_among(self, step: int, world_size: int, rank: int) -> list[SampleKey]:
+        """Rank ``rank``'s samples of ``step`` were the global batch split over ``world_size`` ranks rather than this
+        plan's (``ddp_sync_ft``'s live replica groups taking a missing group's share of the step)."""
+        sizes = self.sizes(step, world_size)
+        first = step * self.batch_size + sum(sizes[:rank])
+        return [SampleKey(self.epoch, int(i)) for i in self._epoch_order().take(first, first + sizes[rank])]
 
     @property
     def first_step(self) -> int:
@@ -170,6 +178,12 @@ class InvariantLoader(DataLoader):  # type: ignore[type-arg]
         sampler = self.batch_sampler
         assert isinstance(sampler, GlobalBatchSampler)
         return sampler
+
+    def load(self, keys: list[SampleKey]) -> Any:
+        """The batch of ``keys``, drawn (keyed, as in a worker) and collated in this process."""
+        dataset = self.dataset
+        assert isinstance(dataset, KeyedSampleDataset)
+        return self.collate_fn(dataset.__getitems__(keys))
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         plan = self.plan
@@ -296,6 +310,11 @@ _STEP: contextvars.ContextVar[DropoutStep | None] = contextvars.ContextVar("ligh
 def set_dropout_step(step: DropoutStep | None) -> None:
     """Make ``step`` the running training step of this thread (None: none runs)."""
     _STEP.set(step)
+
+
+def current_dropout_step() -> DropoutStep | None:
+    """The running training step of this thread, as the invariant dropout layers see it (None: none runs)."""
+    return _STEP.get()
 
 
 def rerun_dropout_step() -> None:

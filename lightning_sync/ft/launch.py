@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.group is not None and not args.lighthouse:
         parser.error(f"--group {args.group} starts one group of {args.replicas}: give the lighthouse the others join "
                      "too, --lighthouse HOST:PORT (torchft_lighthouse --bind HOST:PORT on one machine).")
+    # torchft's Rust side (the lighthouse here, each group's manager) logs every quorum at INFO: about 25 lines a
+    # step for 3 groups. Its warnings and errors only, unless the user asks for more (RUST_LOG=info).
+    os.environ.setdefault("RUST_LOG", "warn")
     server = None
     if args.lighthouse:
         lighthouse = args.lighthouse if "://" in args.lighthouse else f"http://{args.lighthouse}"

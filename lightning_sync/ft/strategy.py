@@ -18,13 +18,16 @@ the groups, torchft's ``Manager`` decides every step who takes part:
 
 The training data is split across groups (group ``g`` of ``R`` reads shard ``g``); the shards of groups
 missing from a step are not trained in that step. They are counted (``trainer.strategy.ft_report``, the
-logged ``ft/participants`` and ``ft/missing_shards``, a line at the end of ``fit``), never silent.
+logged ``ft/participants`` and ``ft/missing_shards``, a line at the end of ``fit``), never silent. With
+``world_size_invariant=True`` none is skipped: the live groups of a step split its whole global batch among them
+(``taken_over`` counts those steps' missing slices).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -36,9 +39,12 @@ from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import PathLike
 from lightning_sync._compat.torch_api import register_buffer_sync_hook
 from lightning_sync.errors import LightningSyncError
-from lightning_sync.invariance import rerun_dropout_step
+from lightning_sync.invariance import DropoutStep, current_dropout_step, rerun_dropout_step, set_dropout_step
+from lightning_sync.joining import StepShare
 from lightning_sync.ft import ReplicaContext, ReplicaGroup, replica_context, require_torchft
 from lightning_sync.parts.base import Part
+from lightning_sync.parts.invariant import WorldSizeInvariantPart
+from lightning_sync.parts.uneven import UnevenBatchPart
 from lightning_sync.seeding import CHECKPOINT_KEY, _collect_rng_state, _restore_rng_state
 from lightning_sync.step_state import BufferSnapshot, LoggedSnapshot
 from lightning_sync.strategy import SyncDDPStrategy
@@ -72,8 +78,9 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
 
     Args:
         min_replicas: the fewest groups a step may commit with (default: ``lsync-ft-run --min-replicas``, 1: one
-            survivor trains on; the number of groups: every step waits for a lost group's replacement, and no
-            data shard is ever skipped).
+            survivor trains on; the number of groups: every step waits for a lost group's replacement). A step
+            with groups missing skips their data shards (counted), except with ``world_size_invariant=True``,
+            where the live groups split the whole global batch among them: nothing is skipped.
         timeout: seconds torchft waits for an all-reduce, a commit or a recovery (default 30).
         quorum_timeout: seconds a step boundary waits for a quorum (default 120).
         max_step_retries: how many times in a row a step that is not committed is run again before the run
@@ -115,9 +122,10 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         self._peer_checkpoint: _LivePeerCheckpoint | None = None  # a restarted group's fit: where it recovers from
         self._boundary: dict[str, Any] = {}  # the position entries of a checkpoint at the last step boundary
         self._in_step_with_others = False  # from on_train_start to the end of fit: every group at the same step
+        self._own_share: _OwnShare | None = None  # the running step's batch as the loader gave it (invariant plans)
         #: what torchft decided so far in this group's life (see ``docs/fault_tolerance.md``)
         self.ft_report: dict[str, int] = {"committed": 0, "redone": 0, "caught_up": 0, "missing_shards": 0,
-                                          "healed": 0, "participants": 0}
+                                          "taken_over": 0, "healed": 0, "participants": 0}
 
     # ------------------------------------------------------------------ replica group and data
 
@@ -203,8 +211,44 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        self._own_share = None
         if self._ctx is not None and not self._quorum_open:
             self.start_quorum()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._ctx is not None and len(args) >= 2:
+            args = (self._share_of_quorum(args[0], int(args[1])), *args[1:])  # (batch, batch_idx, ...)
+        return super().training_step(*args, **kwargs)
+
+    def _share_of_quorum(self, batch: Any, step: int) -> Any:
+        """The batch this group trains in ``step`` under the current quorum. Under an invariant plan
+        (``world_size_invariant=True``) with groups missing from the quorum, the live groups split the whole
+        global batch among them (participant ``p`` of ``n`` takes slice ``p`` of ``n``; its loss scale and dropout
+        rows follow), so the missing groups' samples are trained in the step: loaded here, in this process. With
+        every group in the quorum (again, on a step run again), the loader's batch. Otherwise unchanged (the
+        missing shards are counted)."""
+        invariant, uneven = self.part(WorldSizeInvariantPart), self.part(UnevenBatchPart)
+        loader = invariant.loader if invariant is not None else None
+        if loader is None or uneven is None:
+            return batch
+        if self._own_share is None:
+            self._own_share = _OwnShare(batch, uneven.current, current_dropout_step())
+        own = self._own_share
+        manager = self.manager
+        participants, rank = manager.num_participants(), manager.participating_rank()
+        if participants >= self.replica_group.num_groups or rank is None or participants < 1:
+            uneven.current = own.share
+            if own.dropout is not None:
+                own.dropout.calls.clear()  # (a step run again: the same masks from the first call)
+            set_dropout_step(own.dropout)
+            return own.batch
+        plan = loader.plan
+        sizes = plan.sizes(step, participants)
+        share = StepShare(rank, step, sizes, (None,) * participants)
+        uneven.current = share if share.applies else None
+        set_dropout_step(DropoutStep(root=self.seed or 0, epoch=plan.epoch, step=step, rows=sum(sizes),
+                                     offset=sum(sizes[:rank]), local=sizes[rank]))
+        return self.batch_to_device(loader.load(plan.rows_among(step, participants, rank)))
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._ctx is None:
@@ -257,7 +301,9 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                         "it again on the same batch.", self.replica_group.group_id, manager.current_step())
         self.ft_report["committed"] += 1
         self.ft_report["participants"] = participants
-        self.ft_report["missing_shards"] += self.replica_group.num_groups - participants
+        missing = self.replica_group.num_groups - participants
+        # under an invariant plan the live groups trained the missing groups' slices (``_share_of_quorum``)
+        self.ft_report["taken_over" if self._own_share is not None else "missing_shards"] += missing
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -301,7 +347,8 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         else:
             for p in self.parts:
                 p.on_save_checkpoint(self, checkpoint, None)
-        checkpoint[_REPORT_KEY] = {"missing_shards": self.ft_report["missing_shards"]}  # the run's count goes on
+        # the run's counts go on in the recovering group
+        checkpoint[_REPORT_KEY] = {k: self.ft_report[k] for k in ("missing_shards", "taken_over")}
         return checkpoint
 
     def _load_from_peer(self, checkpoint: dict[str, Any]) -> None:
@@ -357,9 +404,11 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
             rank_zero_info(f"ddp_sync_ft: {group} recovers from a live group at step {manager.current_step()} "
                            f"(global step {self._received.get('global_step')}).")
         elif manager.num_participants() < self.replica_group.num_groups:
+            planned = self.part(WorldSizeInvariantPart) is not None
             log.warning("ddp_sync_ft: %s starts with %d of %d replica groups (the others did not join within "
-                        "quorum_timeout); their data shards are not trained until they join.", group,
-                        manager.num_participants(), self.replica_group.num_groups)
+                        "quorum_timeout); %s until they join.", group, manager.num_participants(),
+                        self.replica_group.num_groups, "the live groups split each global batch" if planned else
+                        "their data shards are not trained")
 
     def _read_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None) -> dict[str, Any]:
         if not isinstance(checkpoint_path, _LivePeerCheckpoint):
@@ -369,7 +418,9 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
             raise LightningSyncError(
                 f"ddp_sync_ft: replica group {self.replica_group.group_id} was to recover from a live group, but its "
                 "fit did not join the first quorum (the strategy was set up outside fit?).")
-        self.ft_report["missing_shards"] = int(received.get(_REPORT_KEY, {}).get("missing_shards", 0))
+        counts = received.get(_REPORT_KEY, {})
+        for key in ("missing_shards", "taken_over"):
+            self.ft_report[key] = int(counts.get(key, 0))
         entry = received.get(CHECKPOINT_KEY)
         if isinstance(entry, dict):  # the RNG states are the sender's: this group derives streams of its own
             entry["new_streams"] = True
@@ -388,8 +439,9 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                 rank_zero_info(
                     f"ddp_sync_ft: replica group {self.replica_group.group_id} (life {self.replica_group.restart}): "
                     f"{report['committed']} steps committed, {report['redone']} run again after a failed commit, "
-                    f"{report['missing_shards']} data shards of missing groups not trained, recovered from a live "
-                    f"group {report['healed']} time(s).")
+                    f"{report['missing_shards']} data shards of missing groups not trained"
+                    f"{', ' + str(report['taken_over']) + ' trained by the live groups' if report['taken_over'] else ''}"
+                    f", recovered from a live group {report['healed']} time(s).")
                 ctx.close()
 
 
@@ -456,6 +508,16 @@ def _replica_allreduce_hook(strategy: FaultTolerantDDPStrategy, bucket: Any) -> 
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future
+
+
+@dataclass
+class _OwnShare:
+    """A step's batch, loss share and dropout rows as the invariant loader gave them (this group's slice of the
+    global batch among every group), kept while the step may be run again under another quorum."""
+
+    batch: Any
+    share: StepShare | None
+    dropout: DropoutStep | None
 
 
 def _from_first_group(strategy: FaultTolerantDDPStrategy, tensor: torch.Tensor) -> torch.Tensor | None:

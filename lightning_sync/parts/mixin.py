@@ -153,7 +153,10 @@ class SyncStrategyMixin:
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         uneven = self._uneven
-        if uneven is not None and (uneven.in_step or uneven.in_weighted_step) and isinstance(tensor, Tensor):
+        # (the share's ranks are the data plan's: where they are not this group's, ddp_sync_ft's replica groups,
+        # the reduction is the group's own, unweighted)
+        if (uneven is not None and (uneven.in_step or uneven.in_weighted_step) and isinstance(tensor, Tensor)
+                and uneven.current is not None and len(uneven.current.sizes) == getattr(self, "world_size", 1)):
             # inside a step with stand-ins (uneven_batches="join"): the ranks with data only; a step of slices of
             # different sizes (world_size_invariant, "join"): a mean weighted by them
             out = uneven.reduce(tensor, reduce_op, lambda t, op: self._guarded_reduce(t, group, op))

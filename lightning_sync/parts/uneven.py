@@ -75,12 +75,14 @@ class UnevenBatchPart(Part):
                 "Trainer(sync_batchnorm=True) with plain BatchNorm layers, or lightning_sync.convert_sync_batchnorm(model).")
 
     def process_dataloader(self, strategy: Any, dataloader: Any, trainer: Any) -> Any:
+        if trainer is not None and trainer.training and isinstance(dataloader, InvariantLoader):
+            # every rank knows every step's shares from the plan: no exchange (the plan's ranks may be more than
+            # this process group's: ddp_sync_ft's replica groups)
+            self.loader = dataloader
+            return dataloader
         if trainer is None or strategy.world_size < 2:
             return dataloader
         agree = (lambda record: self._agree(strategy, record))  # noqa: E731
-        if trainer.training and isinstance(dataloader, InvariantLoader):
-            self.loader = dataloader  # every rank knows every step's shares from the plan: no exchange
-            return dataloader
         if trainer.training:
             wrapped = wrap_training_loader(dataloader, self.uneven_batches, agree, strategy.global_rank,
                                            _compat.batch_size_of)

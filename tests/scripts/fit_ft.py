@@ -6,7 +6,7 @@ of the same model, seed and data; each rank takes the shard a replica group take
 
 An MLP with dropout (``--dropout``, 0.1), momentum SGD, 640 shuffled samples, 16 a group a step. ``--kill-at S``: group 1 SIGKILLs
 itself in its first life in the middle of step S + 1 (before its backward) (lsync-ft-run restarts it; it recovers from group 0), and
-group 0 sleeps ``--alone-sleep`` after each step it trains alone (so it is still training when group 1 is back).
+group 0 sleeps ``--alone-sleep`` after each step it trains without every group (so it is still training when group 1 is back).
 Each group appends one JSON line a step to OUT/group<g>.log and one an epoch (its logged epoch means) to
 OUT/group<g>.epochs, and writes OUT/group<g>.pt (weights, state_dict, report) at the end of fit.
 """
@@ -30,8 +30,9 @@ import lightning_sync as ls
 
 
 class Model(L.LightningModule):
-    def __init__(self, dropout: float, batchnorm: bool = False) -> None:
+    def __init__(self, dropout: float, batchnorm: bool = False, invariant: bool = False) -> None:
         super().__init__()
+        self.invariant = invariant
         norm = [nn.BatchNorm1d(32)] if batchnorm else []
         self.net = nn.Sequential(nn.Linear(8, 32), *norm, nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 1))
 
@@ -39,6 +40,8 @@ class Model(L.LightningModule):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
         self.log("loss", loss)
+        if self.invariant:  # per group under ddp_sync_ft: the group's own value, however the global batch is split
+            self.log("loss_synced", loss, sync_dist=True)
         self.log("loss_mean", loss, on_step=False, on_epoch=True)  # per group: each step's value counted once
         # per group, never synced: group 1 alone asks EarlyStopping to stop (--early-stop)
         self.log("group_flag", float(os.environ.get("REPLICA_GROUP_ID") == "1"), on_step=False, on_epoch=True)
@@ -78,10 +81,12 @@ class Steps(L.Callback):
         report = dict(getattr(trainer.strategy, "ft_report", {}))
         weights = torch.cat([t.detach().flatten() for t in pl_module.parameters()])
         line = {"life": self.life, "step": trainer.global_step, "epoch": trainer.current_epoch, "batch_idx": batch_idx,
-                "batch": float(batch[1].sum()), "weights": float(weights.double().abs().sum()), **report}
+                "batch": float(batch[1].sum()), "weights": float(weights.double().abs().sum()), **report,
+                **{k: float(trainer.callback_metrics[k]) for k in ("loss", "loss_synced") if k in trainer.callback_metrics}}
         with open(self.out / f"group{self.group}.log", "a") as f:
             f.write(json.dumps(line) + "\n")
-        if self.group == 0 and report.get("participants") == 1 and self.kill_at >= 0:
+        groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
+        if self.group == 0 and 0 < report.get("participants", groups) < groups and self.kill_at >= 0:
             time.sleep(self.alone_sleep)
 
 
@@ -111,7 +116,7 @@ def main() -> None:
     args = p.parse_args()
     if not args.no_seed:
         L.seed_everything(7, verbose=False)
-    model = Model(args.dropout, args.batchnorm)
+    model = Model(args.dropout, args.batchnorm, args.invariant)
     if args.control:
         group, life = int(os.environ.get("LOCAL_RANK", "0")), 0
         strategy: object = ls.SyncDDPStrategy(world_size_invariant=args.invariant)

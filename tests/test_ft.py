@@ -13,6 +13,7 @@ causes.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,27 @@ def test_outside_a_replica_group_the_context_says_how_to_start_one() -> None:
 
 
 # ---------------------------------------------------------------------------------------- strategy="ddp_sync_ft"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_groups_checkpointing_into_one_directory_are_refused_and_their_own_directories_work(tmp_path: Path) -> None:
+    """Each group saves as rank 0: two groups of one run with one ModelCheckpoint directory would overwrite each
+    other's last.ckpt. Refused at the start of fit with a message naming the directory and the fix; with a
+    directory per group both train, checkpoint, and leave no marker behind."""
+    shared = tmp_path / "ckpt"
+    proc = _ft_run(tmp_path / "one", ["--replicas", "2", "--max-restarts", "0"],
+                   ["--steps", "4", "--ckpt-dir", str(shared)], script=FIT)
+    assert proc.returncode == 1, proc.stderr[-6000:]
+    # the group that came second (or both, when they come together) refuses; a refused one is not restarted here
+    assert f"writes its checkpoints or logs where another group of this run writes too: {shared}" in proc.stderr
+    assert "default_root_dir" in proc.stderr
+    assert re.search(r"lsync-ft-run: replica group [01] failed: exit code 1", proc.stderr), proc.stderr[-3000:]
+    proc = _ft_run(tmp_path / "own", ["--replicas", "2", "--max-restarts", "0"],
+                   ["--steps", "4", "--ckpt-dir", str(tmp_path / "g{group}")], script=FIT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for group in (0, 1):  # each group's own checkpoints; the claim markers gone with the end of fit
+        assert sorted(p.name for p in (tmp_path / f"g{group}").iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
 
 
 @pytest.mark.slow
@@ -302,3 +324,22 @@ def test_ddp_sync_ft_outside_a_replica_group_and_bad_arguments_say_how_to_fix_th
         ls.FaultTolerantDDPStrategy(resume="auto")
     strategy = ls.FaultTolerantDDPStrategy()
     assert strategy.min_replicas == 1 and strategy.seed_stream_rank == 0
+
+
+def test_output_dir_claims_refuse_another_group_of_the_same_run_only(tmp_path: Path) -> None:
+    from lightning_sync.errors import LightningSyncError
+    from lightning_sync.ft.outputs import claim_output_dirs, release_output_dirs, run_key
+
+    shared, own = str(tmp_path / "shared"), str(tmp_path / "own")
+    markers = claim_output_dirs([shared], 0, "run-a")  # (made if missing)
+    assert markers == [str(tmp_path / "shared" / ".lsync_ft_group0")]
+    assert claim_output_dirs([shared], 0, "run-a") == markers  # group 0 restarted: its own marker again
+    assert claim_output_dirs([shared, own], 1, "run-b")  # group 1 of ANOTHER run (a stale marker): not refused
+    with pytest.raises(LightningSyncError, match=r"replica group 1 writes .* too: .*shared \(also replica group"
+                                                 r"\(s\) 0\)\. .*default_root_dir"):
+        claim_output_dirs([own, shared], 1, "run-a")
+    assert sorted(p.name for p in (tmp_path / "own").iterdir()) == []  # the refused group's markers are removed
+    release_output_dirs(markers)
+    assert claim_output_dirs([shared], 1, "run-a")  # group 0's fit ended: its directory is free
+    assert run_key({"LSYNC_FT_RUN_ID": "x", "TORCHFT_LIGHTHOUSE": "http://h:1"}) == "x"
+    assert run_key({"TORCHFT_LIGHTHOUSE": "http://h:1"}) == "http://h:1"

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     # torchft's Rust side (the lighthouse here, each group's manager) logs every quorum at INFO: about 25 lines a
     # step for 3 groups. Its warnings and errors only, unless the user asks for more (RUST_LOG=info).
     os.environ.setdefault("RUST_LOG", "warn")
+    # the run's key, the same in every group (each refuses to write where another group of the run writes)
+    os.environ.setdefault("LSYNC_FT_RUN_ID", uuid.uuid4().hex)
     server = None
     if args.lighthouse:
         lighthouse = args.lighthouse if "://" in args.lighthouse else f"http://{args.lighthouse}"

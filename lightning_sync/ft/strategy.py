@@ -42,6 +42,7 @@ from lightning_sync.errors import LightningSyncError
 from lightning_sync.invariance import DropoutStep, current_dropout_step, rerun_dropout_step, set_dropout_step
 from lightning_sync.joining import StepShare
 from lightning_sync.ft import ReplicaContext, ReplicaGroup, replica_context, require_torchft
+from lightning_sync.ft.outputs import claim_output_dirs, output_dirs, release_output_dirs, run_key
 from lightning_sync.parts.base import Part
 from lightning_sync.parts.invariant import WorldSizeInvariantPart
 from lightning_sync.parts.uneven import UnevenBatchPart
@@ -122,6 +123,7 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         self._peer_checkpoint: _LivePeerCheckpoint | None = None  # a restarted group's fit: where it recovers from
         self._boundary: dict[str, Any] = {}  # the position entries of a checkpoint at the last step boundary
         self._in_step_with_others = False  # from on_train_start to the end of fit: every group at the same step
+        self._markers: list[str] = []  # this group's claims on the directories it writes (lightning_sync.ft.outputs)
         self._own_share: _OwnShare | None = None  # the running step's batch as the loader gave it (invariant plans)
         #: what torchft decided so far in this group's life (see ``docs/fault_tolerance.md``)
         self.ft_report: dict[str, int] = {"committed": 0, "redone": 0, "caught_up": 0, "missing_shards": 0,
@@ -431,6 +433,8 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         ctx, self._ctx = self._ctx, None
         self._quorum_open = False
         self._in_step_with_others = False
+        markers, self._markers = self._markers, []
+        release_output_dirs(markers)
         try:
             super().teardown()
         finally:
@@ -457,6 +461,9 @@ class _FaultTolerancePart(Part):
 
     def on_train_start(self, strategy: Any, trainer: Any) -> None:
         if self._strategy._ctx is not None and trainer is not None:
+            # each group saves as rank 0: none may write where another group of the run writes (an error here)
+            self._strategy._markers = claim_output_dirs(output_dirs(trainer), self._strategy.replica_group.group_id,
+                                                        run_key())
             self._strategy.mark_step_boundary(trainer)  # (restored, or at the start: the first step's boundary)
             self._strategy._in_step_with_others = True
 

@@ -111,6 +111,8 @@ def main() -> None:
                    help="EarlyStopping on a per-group value: only group 1 wants to stop, at the end of epoch 0")
     p.add_argument("--timer", action="store_true",
                    help="Timer in every group: group 0's runs out after 1 s of training, group 1's after an hour")
+    p.add_argument("--ckpt-dir", default=None,
+                   help="a ModelCheckpoint (every 2 steps, last.ckpt) in this directory; '{group}' becomes the group")
     p.add_argument("--invariant", action="store_true",
                    help="world_size_invariant=True: the loader's batch is the global one (32); --control runs 1 process")
     args = p.parse_args()
@@ -127,8 +129,11 @@ def main() -> None:
         devices = 1
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=args.steps, logger=False,
                         **({"val_check_interval": 10} if args.val else {}),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=args.ckpt_dir is not None, enable_progress_bar=False,
+                        enable_model_summary=False,
                         callbacks=[Steps(args.out, group, life, args.kill_at, args.alone_sleep)]
+                        + ([L.pytorch.callbacks.ModelCheckpoint(args.ckpt_dir.format(group=group), save_last=True,
+                                                                every_n_train_steps=2)] if args.ckpt_dir else [])
                         + ([L.pytorch.callbacks.EarlyStopping("group_flag", mode="max", stopping_threshold=0.5,
                                                                check_on_train_epoch_end=True)] if args.early_stop else [])
                         + ([L.pytorch.callbacks.Timer(timedelta(seconds=1 if group == 0 else 3600))] if args.timer

@@ -1,9 +1,10 @@
 """Per-step cost of ``ddp_sync_ft`` against ``ddp_sync``, measured side by side in one run.
 
-    python bench/bench_ft.py                      # --rounds 3 --steps 200
+    python bench/bench_ft.py                      # --rounds 3 --steps 200 --width 128 (a tiny step)
+    python bench/bench_ft.py --width 1024          # a step of ~20 ms on 2 cores: the fixed cost amortised
 
-The same tiny MLP (batch 64 a rank, a BatchNorm layer, one ``self.log`` a step, SGD) trained for ``--steps`` steps
-two ways, alternated ABBA after a dropped warm-up run of each, every run a fresh set of processes:
+The same MLP (32 -> width -> width -> 1, batch 64 a rank, a BatchNorm layer, one ``self.log`` a step, SGD)
+trained for ``--steps`` steps two ways, alternated ABBA after a dropped warm-up run of each, every run a fresh set of processes:
 
 * ``ddp_sync``: Lightning's launcher, 2 CPU ranks (``devices=2``);
 * ``ddp_sync_ft``: ``lsync-ft-run --replicas 2``, two replica groups of one process each (a quorum at every step
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def worker(mode: str, steps: int, out: Path) -> None:
+def worker(mode: str, steps: int, out: Path, width: int) -> None:
     """One fit (a rank of ``ddp_sync``, or a replica group of ``ddp_sync_ft``); rank 0 / group 0 writes ``out``."""
     import lightning as L
     import torch
@@ -47,7 +48,8 @@ def worker(mode: str, steps: int, out: Path) -> None:
     class MLP(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(nn.Linear(32, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 1))
+            self.net = nn.Sequential(nn.Linear(32, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, width),
+                                     nn.ReLU(), nn.Linear(width, 1))
             self._t = 0.0
 
         def on_train_batch_start(self, batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -94,8 +96,9 @@ def worker(mode: str, steps: int, out: Path) -> None:
         out.write_text(json.dumps(result))
 
 
-def run_once(mode: str, steps: int, out: Path) -> dict[str, float]:
-    me = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--steps", str(steps), "--out", str(out)]
+def run_once(mode: str, steps: int, out: Path, width: int) -> dict[str, float]:
+    me = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--steps", str(steps), "--out", str(out),
+          "--width", str(width)]
     cmd = me if mode == "ddp" else [sys.executable, "-m", "lightning_sync.ft.launch", "--replicas", "2", "--", *me]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     if proc.returncode != 0:
@@ -109,23 +112,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--worker", choices=("ddp", "ft"), default=None)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--width", type=int, default=128, help="the MLP's hidden width (the step's size)")
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.out)
+        worker(args.worker, args.steps, args.out, args.width)
         return
     results: dict[str, list[dict[str, float]]] = {"ddp": [], "ft": []}
     with tempfile.TemporaryDirectory() as tmp:
         order = ["ddp", "ft"] + [m for _ in range(args.rounds) for m in ("ddp", "ft", "ft", "ddp")]
         for i, mode in enumerate(order):
-            result = run_once(mode, args.steps, Path(tmp) / f"{i}.json")
+            result = run_once(mode, args.steps, Path(tmp) / f"{i}.json", args.width)
             if i >= 2:  # the first run of each: warm-up (file caches, the lighthouse binary)
                 results[mode].append(result)
     ddp = statistics.median(r["step_ms"] for r in results["ddp"])
     ft = statistics.median(r["step_ms"] for r in results["ft"])
     boundary = statistics.median(r.get("mark_step_boundary_ms", float("nan")) for r in results["ft"])
     quorum = statistics.median(r.get("start_quorum_ms", float("nan")) for r in results["ft"])
-    print(f"bench_ft: 2 CPU processes, {args.steps} steps of batch 64 a rank, {args.rounds} ABBA rounds (median "
-          "loop iteration of each run, median over runs)")
+    print(f"bench_ft: 2 CPU processes, {args.steps} steps of batch 64 a rank, MLP width {args.width}, "
+          f"{args.rounds} ABBA rounds (median loop iteration of each run, median over runs)")
     print(f"  ddp_sync (2 ranks)          {ddp:7.3f} ms a step   runs: "
           + " ".join(f"{r['step_ms']:.2f}" for r in results["ddp"]))
     print(f"  ddp_sync_ft (2 groups of 1) {ft:7.3f} ms a step   runs: "

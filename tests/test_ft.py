@@ -133,18 +133,38 @@ def test_groups_checkpointing_into_one_directory_are_refused_and_their_own_direc
     other's last.ckpt. Refused at the start of fit with a message naming the directory and the fix; with a
     directory per group both train, checkpoint, and leave no marker behind."""
     shared = tmp_path / "ckpt"
-    proc = _ft_run(tmp_path / "one", ["--replicas", "2", "--max-restarts", "0"],
-                   ["--steps", "4", "--ckpt-dir", str(shared)], script=FIT)
+    proc = _ft_run(tmp_path / "one", ["--replicas", "2", "--max-restarts", "2"],
+                   ["--steps", "1000", "--ckpt-dir", str(shared)], script=FIT)
     assert proc.returncode == 1, proc.stderr[-6000:]
-    # the group that came second (or both, when they come together) refuses; a refused one is not restarted here
+    # the group that came second (or both, when they come together) refuses: a set-up error, not restarted (its
+    # restarts would refuse again, or slip past the check into a new logger version), and the run ends there
+    # rather than leaving the other group to train alone
     assert f"writes its checkpoints or logs where another group of this run writes too: {shared}" in proc.stderr
-    assert "default_root_dir" in proc.stderr
-    assert re.search(r"lsync-ft-run: replica group [01] failed: exit code 1", proc.stderr), proc.stderr[-3000:]
-    proc = _ft_run(tmp_path / "own", ["--replicas", "2", "--max-restarts", "0"],
-                   ["--steps", "4", "--ckpt-dir", str(tmp_path / "g{group}")], script=FIT)
+    assert "default_root_dir" in proc.stderr and "restarting it" not in proc.stderr
+    assert re.search(r"lsync-ft-run: replica group [01] stopped for a set-up error, not restarted; ending the run",
+                     proc.stderr), proc.stderr[-3000:]
+    assert re.search(r"lsync-ft-run: replica group [01] failed: exit code 1 \(a set-up error\) after 0 restart\(s\)"
+                     r".*: ddp_sync_ft: replica group [01] writes its checkpoints", proc.stderr), proc.stderr[-3000:]
+    assert "1000 steps committed" not in proc.stderr  # the other group did not train the run alone
+    # a directory per group, group 1 SIGKILLed in step 11 and recovered from group 0: ModelCheckpoint's decisions
+    # (does last.ckpt exist? did the value improve?) stay in each group (across groups they mismatched in number
+    # and stalled a step for torchft's 30 s timeout); the received checkpoint's paths are moved to group 1's own
+    # directory (Lightning dropped the state of a changed dirpath: last-v1.ckpt, a stale top-k file)
+    proc = _ft_run(tmp_path / "own", ["--replicas", "2", "--min-replicas", "2"],
+                   ["--steps", "30", "--kill-at", "10", "--ckpt-dir", str(tmp_path / "g{group}")], script=FIT)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    for group in (0, 1):  # each group's own checkpoints; the claim markers gone with the end of fit
-        assert sorted(p.name for p in (tmp_path / f"g{group}").iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert "recovers from a live group at step 10" in proc.stderr
+    assert torch.load(tmp_path / "own" / "group0.pt")["report"]["redone"] == 1  # the kill's step only
+    for group in (0, 1):  # each group's own checkpoints, as without the kill; the claim markers gone with fit's end
+        assert sorted(p.name for p in (tmp_path / f"g{group}").iterdir()) == ["epoch=1-step=30.ckpt", "last.ckpt"]
+    # an earlier last.ckpt in group 1's directory only: group 1 versions its own (Lightning's rule), group 0 does not
+    (tmp_path / "h1").mkdir()
+    (tmp_path / "h1" / "last.ckpt").write_bytes(b"an earlier run's")
+    proc = _ft_run(tmp_path / "again", ["--replicas", "2"], ["--steps", "4", "--ckpt-dir", str(tmp_path / "h{group}")],
+                   script=FIT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert sorted(p.name for p in (tmp_path / "h0").iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "h1").iterdir()) == ["epoch=0-step=4.ckpt", "last-v1.ckpt", "last.ckpt"]
 
 
 @pytest.mark.slow

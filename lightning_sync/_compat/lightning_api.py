@@ -695,7 +695,28 @@ def _model_parallel_fits() -> bool:
             vars(ModelParallelStrategy()))
 
 
+def _model_checkpoint_modules() -> set[str]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return {ModelCheckpoint.__module__, "pytorch_lightning.callbacks.model_checkpoint"}
+
+
+def called_from_model_checkpoint(frame: Any) -> bool:
+    """Whether ``frame`` (a strategy method's caller) is Lightning's ``ModelCheckpoint`` (its ``file_exists`` and
+    its "did the monitored value improve" decisions, made through ``strategy.reduce_boolean_decision``)."""
+    return frame is not None and frame.f_globals.get("__name__") in _model_checkpoint_modules()
+
+
+def _model_checkpoint_decides_through_strategy() -> bool:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return "reduce_boolean_decision" in inspect.getsource(ModelCheckpoint.file_exists)
+
+
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
+    TouchPoint("lightning.pytorch.callbacks.ModelCheckpoint.file_exists (its strategy.reduce_boolean_decision)",
+               "ddp_sync_ft keeps ModelCheckpoint's decisions inside the replica group",
+               _model_checkpoint_decides_through_strategy),
     TouchPoint("lightning.pytorch.strategies.DDPStrategy._ddp_kwargs", "initial-parameter check: what DDP will not "
                "overwrite", lambda: isinstance(getattr(DDPStrategy(), "_ddp_kwargs", None), dict)),
     TouchPoint("lightning.pytorch.strategies.Strategy._checkpoint_io", "the atomic CheckpointIO as the default",

@@ -21,11 +21,25 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["ReplicaContext", "ReplicaGroup", "replica_context", "require_torchft"]
+__all__ = ["ReplicaContext", "ReplicaGroup", "replica_context", "report_fatal", "require_torchft"]
 
 ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, ENV_RESTART, ENV_HOST, ENV_MIN = (
     "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE", "LSYNC_FT_RESTART", "LSYNC_FT_HOST",
     "LSYNC_FT_MIN_REPLICAS")
+
+
+def report_fatal(message: str) -> None:
+    """Tell ``lsync-ft-run`` (``LSYNC_FT_FATAL``: a file of its own per group) that this group stops for a set-up
+    error that every life would meet again: it is not restarted, and the run ends with ``message``. Call it just
+    before raising."""
+    path = os.environ.get("LSYNC_FT_FATAL")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(message)
+    except OSError:
+        pass  # the launcher then restarts the group as after any failure, and it refuses again
 
 
 def require_torchft() -> None:

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -42,12 +44,22 @@ class _Group:
     causes: list[str] = field(default_factory=list)
     done: bool = False
     failed: bool = False
+    fatal: str = ""  # the set-up error it reported, if any
 
 
 def _free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _fatal(directory: str, group: int) -> str:
+    """The set-up error group ``group`` reported before it ended (``lightning_sync.ft.report_fatal``), or ''."""
+    try:
+        with open(os.path.join(directory, f"group{group}")) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _cause(code: int) -> str:
@@ -100,7 +112,8 @@ def _spawn(group: _Group, args: argparse.Namespace, lighthouse: str) -> None:
     port = _free_port(args.host)
     env = dict(os.environ, REPLICA_GROUP_ID=str(group.index), NUM_REPLICA_GROUPS=str(args.replicas),
                TORCHFT_LIGHTHOUSE=lighthouse, LSYNC_FT_RESTART=str(group.restarts), LSYNC_FT_HOST=args.host,
-               LSYNC_FT_MIN_REPLICAS=str(args.min_replicas), MASTER_ADDR=args.host, MASTER_PORT=str(port))
+               LSYNC_FT_MIN_REPLICAS=str(args.min_replicas), MASTER_ADDR=args.host, MASTER_PORT=str(port),
+               LSYNC_FT_FATAL=os.path.join(args.fatal_dir, f"group{group.index}"))
     if "OMP_NUM_THREADS" not in env:
         # the machine's cores shared by the processes started here, as Lightning's launcher shares them between
         # the ranks it starts (and as a one-machine ddp run of the same ranks computes: same threads, same sums)
@@ -160,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     # torchft's Rust side (the lighthouse here, each group's manager) logs every quorum at INFO: about 25 lines a
     # step for 3 groups. Its warnings and errors only, unless the user asks for more (RUST_LOG=info).
     os.environ.setdefault("RUST_LOG", "warn")
-    # the run's key, the same in every group (each refuses to write where another group of the run writes)
-    os.environ.setdefault("LSYNC_FT_RUN_ID", uuid.uuid4().hex)
+    if not args.lighthouse:
+        # the run's key, the same in every group (each refuses to write where another group of the run writes);
+        # with --lighthouse (one lsync-ft-run per machine) the key is the lighthouse's address, which they share
+        os.environ.setdefault("LSYNC_FT_RUN_ID", uuid.uuid4().hex)
     server = None
     if args.lighthouse:
         lighthouse = args.lighthouse if "://" in args.lighthouse else f"http://{args.lighthouse}"
@@ -173,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
           f"process(es), up to {args.max_restarts} restarts each", file=sys.stderr, flush=True)
     groups = [_Group(i) for i in indices]
     args.local_processes = len(groups) * args.nproc_per_replica
+    args.fatal_dir = tempfile.mkdtemp(prefix="lsync_ft_")  # a group's set-up error, written by report_fatal
     stopping: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -194,8 +210,15 @@ def main(argv: list[str] | None = None) -> int:
                     group.done = True
                     continue
                 group.causes.append(_cause(code))
+                fatal = _fatal(args.fatal_dir, group.index)
                 finished = [g.index for g in groups if g.done]
-                if finished:  # the run is over in those groups: a restart would have no live peer to heal from
+                if fatal:  # a set-up error: every life would meet it again, and the others would train without it
+                    group.failed, group.fatal = True, fatal
+                    group.causes[-1] += " (a set-up error)"
+                    print(f"lsync-ft-run: replica group {group.index} stopped for a set-up error, not restarted; "
+                          f"ending the run: {fatal}", file=sys.stderr, flush=True)
+                    stopping.append(0)
+                elif finished:  # the run is over in those groups: a restart would have no live peer to heal from
                     group.failed = True
                     print(f"lsync-ft-run: replica group {group.index} ended ({group.causes[-1]}) after group "
                           f"{finished[0]} finished the run; not restarted (no live peer to heal from)",
@@ -216,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signum, handler)
         if server is not None:
             server.shutdown()
+        shutil.rmtree(args.fatal_dir, ignore_errors=True)
+    if stopping and stopping[0] == 0:  # a group's set-up error (named above and below)
+        stopping.clear()
+        for g in groups:
+            if not (g.done or g.failed):
+                g.failed = True
+                g.causes.append("ended by lsync-ft-run after another group's set-up error")
     if stopping:
         print(f"lsync-ft-run: stopped by {signal.Signals(stopping[0]).name}; every group ended", file=sys.stderr)
         return 128 + stopping[0]
@@ -223,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         for g in failed:
             print(f"lsync-ft-run: replica group {g.index} failed: {g.causes[-1]} after {g.restarts} restart(s) "
-                  f"(causes in order: {', '.join(g.causes)})", file=sys.stderr)
+                  f"(causes in order: {', '.join(g.causes)})" + (f": {g.fatal}" if g.fatal else ""), file=sys.stderr)
         return 1
     restarted = [g for g in groups if g.restarts]
     print(f"lsync-ft-run: all {len(groups)} replica group{'s' if len(groups) > 1 else ''} finished"

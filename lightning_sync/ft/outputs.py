@@ -5,12 +5,14 @@ Every group of a ``ddp_sync_ft`` run is a Lightning run of its own that logs and
 groups writing ``last.ckpt`` (or a logger's metrics file) in the same directory overwrite each other's files
 mid-write. At ``on_train_start`` each group leaves a marker ``.lsync_ft_group<G>`` holding the run's key in
 every directory it writes (each ``ModelCheckpoint``'s ``dirpath``, each logger's ``log_dir``) and then looks for
-another group's marker with the same key there. Two groups starting together both see each other's; a group
-starting later sees the earlier one's. A group removes its markers at the end of its ``fit``; a killed group's
-stay until its restart writes them again.
+another group's marker with the same key there: the group that looks second (both, where they look together)
+refuses, and under ``lsync-ft-run`` that ends the run (``report_fatal``: a set-up error is not restarted, and the
+other groups are stopped rather than left to train alone). A group removes its markers at the end of its ``fit``;
+a killed group's stay (a restarted group with a versioned logger writes into a new version's directory).
 
-The run's key is ``LSYNC_FT_RUN_ID`` (``lsync-ft-run`` sets a fresh one unless it is set; the SLURM recipe
-sets the job id, the same on every node), else torchft's lighthouse address.
+The run's key is ``LSYNC_FT_RUN_ID`` (``lsync-ft-run`` sets a fresh one when it starts the lighthouse itself; the
+SLURM recipe sets ``slurm-<job id>`` on every node), else torchft's lighthouse address (one ``lsync-ft-run --group
+G --lighthouse HOST:PORT`` per machine: the same for every group).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 from lightning_sync.errors import LightningSyncError
 
-__all__ = ["claim_output_dirs", "output_dirs", "release_output_dirs", "run_key"]
+__all__ = ["claim_output_dirs", "output_dirs", "own_checkpoint_paths", "release_output_dirs", "run_key"]
 
 _MARKER = re.compile(r"\.lsync_ft_group(\d+)")
 
@@ -92,3 +94,30 @@ def release_output_dirs(markers: Iterable[str]) -> None:
             os.remove(marker)
         except OSError:
             pass
+
+
+def own_checkpoint_paths(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """A live group's checkpoint, received by a recovering group: its ``ModelCheckpoint`` states name the sender's
+    directory (best and last paths, the top-k). Rewritten to this group's own directory, where this group saved the
+    same files at the same steps before it was lost, so that Lightning restores them (it drops a state whose
+    ``dirpath`` changed) and the group goes on overwriting ``last.ckpt`` and pruning its top-k as it would have."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    states = checkpoint.get("callbacks")
+    if not isinstance(states, dict):
+        return
+    for callback in trainer.callbacks:
+        state = states.get(callback.state_key) if isinstance(callback, ModelCheckpoint) else None
+        theirs, mine = (state or {}).get("dirpath"), callback.dirpath if state else None
+        if not (isinstance(theirs, str) and mine and theirs != str(mine)):
+            continue
+        states[callback.state_key] = _moved(state, theirs, str(mine))
+
+
+def _moved(value: Any, old: str, new: str) -> Any:
+    """``value`` with every path under ``old`` (strings, dict keys, nested) moved under ``new``."""
+    if isinstance(value, str):
+        return new + value[len(old):] if value == old or value.startswith(old.rstrip(os.sep) + os.sep) else value
+    if isinstance(value, dict):
+        return {_moved(k, old, new): _moved(v, old, new) for k, v in value.items()}
+    return value

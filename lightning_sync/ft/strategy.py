@@ -26,6 +26,7 @@ logged ``ft/participants`` and ``ft/missing_shards``, a line at the end of ``fit
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,8 +42,9 @@ from lightning_sync._compat.torch_api import register_buffer_sync_hook
 from lightning_sync.errors import LightningSyncError
 from lightning_sync.invariance import DropoutStep, current_dropout_step, rerun_dropout_step, set_dropout_step
 from lightning_sync.joining import StepShare
-from lightning_sync.ft import ReplicaContext, ReplicaGroup, replica_context, require_torchft
-from lightning_sync.ft.outputs import claim_output_dirs, output_dirs, release_output_dirs, run_key
+from lightning_sync.ft import ReplicaContext, ReplicaGroup, replica_context, report_fatal, require_torchft
+from lightning_sync.ft.outputs import (claim_output_dirs, output_dirs, own_checkpoint_paths, release_output_dirs,
+                                       run_key)
 from lightning_sync.parts.base import Part
 from lightning_sync.parts.invariant import WorldSizeInvariantPart
 from lightning_sync.parts.uneven import UnevenBatchPart
@@ -311,9 +313,11 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Lightning's agreement on a decision (``EarlyStopping``'s stop, among others), across the replica groups of
         the current quorum too: a group that stops alone would leave the others waiting for it, or training on
-        without it."""
+        without it. ``ModelCheckpoint``'s decisions stay in the group: whether a file exists and whether the
+        group's own monitored value improved are about the group's own directory (the groups would also make
+        different numbers of them)."""
         decision = super().reduce_boolean_decision(decision, all=all)
-        if self._ctx is None:
+        if self._ctx is None or _compat.called_from_model_checkpoint(sys._getframe(1)):
             return decision
         votes = torch.tensor([float(decision), 1.0], dtype=torch.float64)
         if not self.manager.allreduce(votes, reduce_op=torch.distributed.ReduceOp.SUM).wait() or self.manager.errored():
@@ -427,6 +431,9 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         if isinstance(entry, dict):  # the RNG states are the sender's: this group derives streams of its own
             entry["new_streams"] = True
             entry["rng_states"] = []
+        trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
+        if trainer is not None:  # the sender's ModelCheckpoint paths name its directory: this group's own instead
+            own_checkpoint_paths(trainer, received)
         return received
 
     def teardown(self) -> None:
@@ -461,9 +468,14 @@ class _FaultTolerancePart(Part):
 
     def on_train_start(self, strategy: Any, trainer: Any) -> None:
         if self._strategy._ctx is not None and trainer is not None:
-            # each group saves as rank 0: none may write where another group of the run writes (an error here)
-            self._strategy._markers = claim_output_dirs(output_dirs(trainer), self._strategy.replica_group.group_id,
-                                                        run_key())
+            # each group saves as rank 0: none may write where another group of the run writes (an error here,
+            # that ends the run under lsync-ft-run: every life of this group would meet it again)
+            try:
+                self._strategy._markers = claim_output_dirs(output_dirs(trainer),
+                                                            self._strategy.replica_group.group_id, run_key())
+            except LightningSyncError as err:
+                report_fatal(str(err))
+                raise
             self._strategy.mark_step_boundary(trainer)  # (restored, or at the start: the first step's boundary)
             self._strategy._in_step_with_others = True
 

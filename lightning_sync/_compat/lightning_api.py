@@ -702,19 +702,22 @@ def _model_checkpoint_modules() -> set[str]:
 
 
 def called_from_model_checkpoint(frame: Any) -> bool:
-    """Whether ``frame`` (a strategy method's caller) is Lightning's ``ModelCheckpoint`` (its ``file_exists`` and
-    its "did the monitored value improve" decisions, made through ``strategy.reduce_boolean_decision``)."""
+    """Whether ``frame`` (a strategy method's caller) is Lightning's ``ModelCheckpoint`` (its ``file_exists``, its
+    "did the monitored value improve" and its time-based skip: ``strategy.reduce_boolean_decision`` or, before
+    Lightning 2.6, ``strategy.broadcast`` of a bool)."""
     return frame is not None and frame.f_globals.get("__name__") in _model_checkpoint_modules()
 
 
 def _model_checkpoint_decides_through_strategy() -> bool:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    return "reduce_boolean_decision" in inspect.getsource(ModelCheckpoint.file_exists)
+    source = inspect.getsource(ModelCheckpoint.file_exists)  # (Lightning < 2.6: strategy.broadcast of a bool)
+    return "trainer.strategy.reduce_boolean_decision(" in source or "trainer.strategy.broadcast(" in source
 
 
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
-    TouchPoint("lightning.pytorch.callbacks.ModelCheckpoint.file_exists (its strategy.reduce_boolean_decision)",
+    TouchPoint("lightning.pytorch.callbacks.ModelCheckpoint.file_exists (its strategy.reduce_boolean_decision, "
+               "or strategy.broadcast before Lightning 2.6)",
                "ddp_sync_ft keeps ModelCheckpoint's decisions inside the replica group",
                _model_checkpoint_decides_through_strategy),
     TouchPoint("lightning.pytorch.strategies.DDPStrategy._ddp_kwargs", "initial-parameter check: what DDP will not "

@@ -326,14 +326,15 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         return yes == voters if all else yes > 0
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Lightning's broadcast of a decision (``Timer``'s stop, ``ModelCheckpoint``'s time-based skip: a bool),
-        across the replica groups too while they train in step: every group takes the quorum's first group's, as
-        DDP's ranks take rank 0's. Other objects (paths, configs) and calls outside training stay in the group (a
-        restarted group's set-up runs alone)."""
+        """Lightning's broadcast of a decision (``Timer``'s stop: a bool), across the replica groups too while they
+        train in step: every group takes the quorum's first group's, as DDP's ranks take rank 0's. Other objects
+        (paths, configs), calls outside training and ``ModelCheckpoint``'s decisions (about the group's own
+        directory) stay in the group (a restarted group's set-up runs alone)."""
         obj = super().broadcast(obj, src)
         trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
         if (type(obj) is not bool or self._ctx is None or not self._in_step_with_others or trainer is None
-                or trainer.sanity_checking or trainer.state.fn != "fit"):
+                or trainer.sanity_checking or trainer.state.fn != "fit"
+                or _compat.called_from_model_checkpoint(sys._getframe(1))):
             return obj
         decided = _from_first_group(self, torch.tensor([float(obj)], dtype=torch.float64))
         if decided is None:

@@ -388,6 +388,11 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         self._restoring = True
         try:
             self.start_quorum()
+            if (self._received is None and self.replica_group.restart > 0 and manager.current_step() == 0
+                    and manager.num_participants() < self.replica_group.num_groups):
+                rank_zero_info(f"ddp_sync_ft: replica group {self.replica_group.group_id} (life "
+                               f"{self.replica_group.restart}) found no live group ahead of it; waiting up to "
+                               f"{self.quorum_timeout.total_seconds():.0f} s (quorum_timeout) for one.")
             while (self._received is None and manager.current_step() == 0
                    and manager.num_participants() < self.replica_group.num_groups and time.monotonic() < deadline):
                 time.sleep(0.2)  # every group of this quorum sees the same count: all of them ask again

@@ -121,10 +121,20 @@ class GlobalBatchSampler:
         rows = min(self.batch_size, self.num_samples - step * self.batch_size)
         return tuple(shard_sizes(rows, self.world_size if world_size is None else world_size))
 
-    def share(self, step: int) -> StepShare:
-        sizes = self.sizes(step)
+    def share(self, step: int, world_size: int | None = None, rank: int | None = None) -> StepShare:
+        """This rank's share of ``step`` (``world_size``, ``rank``: the global batch split over other ranks)."""
+        sizes = self.sizes(step, world_size)
         done = tuple(None if n else step for n in sizes)  # a rank without rows "ran out" after `step` batches
-        return StepShare(self.rank, step, sizes, done)
+        return StepShare(self.rank if rank is None else rank, step, sizes, done)
+
+    def dropout_step(self, step: int, root: int, world_size: int | None = None,
+                     rank: int | None = None) -> DropoutStep:
+        """``step`` as the invariant dropout layers key it: the global batch's rows, this rank's of them
+        (``world_size``, ``rank``: the global batch split over other ranks)."""
+        sizes = self.sizes(step, world_size)
+        rank = self.rank if rank is None else rank
+        return DropoutStep(root=root, epoch=self.epoch, step=step, rows=sum(sizes), offset=sum(sizes[:rank]),
+                           local=sizes[rank])
 
     def _epoch_order(self) -> EpochOrder:
         if self._cached is None or self._cached[0] != self.epoch:

@@ -217,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
                     group.causes[-1] += " (a set-up error)"
                     print(f"lsync-ft-run: replica group {group.index} stopped for a set-up error, not restarted; "
                           f"ending the run: {fatal}", file=sys.stderr, flush=True)
-                    stopping.append(0)
+                    for other in groups:  # (ended below, with every group, once the loop sees all of them over)
+                        if not (other.done or other.failed):
+                            other.failed = True
+                            other.causes.append("ended by lsync-ft-run after another group's set-up error")
                 elif finished:  # the run is over in those groups: a restart would have no live peer to heal from
                     group.failed = True
                     print(f"lsync-ft-run: replica group {group.index} ended ({group.causes[-1]}) after group "
@@ -240,12 +243,6 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.shutdown()
         shutil.rmtree(args.fatal_dir, ignore_errors=True)
-    if stopping and stopping[0] == 0:  # a group's set-up error (named above and below)
-        stopping.clear()
-        for g in groups:
-            if not (g.done or g.failed):
-                g.failed = True
-                g.causes.append("ended by lsync-ft-run after another group's set-up error")
     if stopping:
         print(f"lsync-ft-run: stopped by {signal.Signals(stopping[0]).name}; every group ended", file=sys.stderr)
         return 128 + stopping[0]

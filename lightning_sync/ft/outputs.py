@@ -107,11 +107,12 @@ def own_checkpoint_paths(trainer: Any, checkpoint: dict[str, Any]) -> None:
     if not isinstance(states, dict):
         return
     for callback in trainer.callbacks:
-        state = states.get(callback.state_key) if isinstance(callback, ModelCheckpoint) else None
-        theirs, mine = (state or {}).get("dirpath"), callback.dirpath if state else None
-        if not (isinstance(theirs, str) and mine and theirs != str(mine)):
+        if not isinstance(callback, ModelCheckpoint):
             continue
-        states[callback.state_key] = _moved(state, theirs, str(mine))
+        state = states.get(callback.state_key)
+        theirs = state.get("dirpath") if isinstance(state, dict) else None
+        if isinstance(theirs, str) and callback.dirpath and theirs != str(callback.dirpath):
+            states[callback.state_key] = _moved(state, theirs, str(callback.dirpath))
 
 
 def _moved(value: Any, old: str, new: str) -> Any:

@@ -247,11 +247,9 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
             set_dropout_step(own.dropout)
             return own.batch
         plan = loader.plan
-        sizes = plan.sizes(step, participants)
-        share = StepShare(rank, step, sizes, (None,) * participants)
+        share = plan.share(step, participants, rank)
         uneven.current = share if share.applies else None
-        set_dropout_step(DropoutStep(root=self.seed or 0, epoch=plan.epoch, step=step, rows=sum(sizes),
-                                     offset=sum(sizes[:rank]), local=sizes[rank]))
+        set_dropout_step(plan.dropout_step(step, self.seed or 0, participants, rank))
         return self.batch_to_device(loader.load(plan.rows_among(step, participants, rank)))
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync.batchnorm import per_rank_batchnorm
 from lightning_sync.errors import ResumeError
-from lightning_sync.invariance import (DropoutStep, GlobalBatchSampler, InvariantLoader, KeyedSampleDataset,
-                                       make_dropout_invariant, set_dropout_step)
+from lightning_sync.invariance import (GlobalBatchSampler, InvariantLoader, KeyedSampleDataset, make_dropout_invariant,
+                                       set_dropout_step)
 from lightning_sync.parts.base import Part
 from lightning_sync.seeding import CHECKPOINT_KEY
 
@@ -174,11 +174,7 @@ class _InvariantSteps(pl.Callback):
         loader = self.part.loader
         if loader is None:
             return
-        plan = loader.plan
-        sizes = plan.sizes(batch_idx)
-        rank = plan.rank
-        set_dropout_step(DropoutStep(root=self.strategy.seed or 0, epoch=plan.epoch, step=batch_idx, rows=sum(sizes),
-                                     offset=sum(sizes[:rank]), local=sizes[rank]))
+        set_dropout_step(loader.plan.dropout_step(batch_idx, self.strategy.seed or 0))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

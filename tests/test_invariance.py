@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRando
 from lightning_sync.invariance import (DropoutStep, GlobalBatchSampler, KeyedSampleDataset, SampleKey, dropout_step,
                                        make_dropout_invariant)
 from lightning_sync.parts.invariant import invariant_loader
+from lightning_sync.seeding import derive_seed
 from tests.launch import launch_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_invariant.py"
@@ -108,8 +109,41 @@ def test_a_samples_random_numbers_depend_on_root_epoch_and_index_only() -> None:
     assert data[SampleKey(0, 3)] == first
     assert data[SampleKey(1, 3)] != first and data[SampleKey(0, 4)] != first
     assert KeyedSampleDataset(_Noise(), root=12)[SampleKey(0, 3)] != first
+    torch.manual_seed(derive_seed(11, "sample", 0, 3))
+    assert first[0] == float(torch.rand(()))  # the documented key
     in_worker = list(DataLoader(data, batch_size=None, sampler=[SampleKey(0, 3)], num_workers=1))
     assert tuple(in_worker[0]) == first  # the same in a worker process
+
+
+class _SometimesRandom(Dataset):
+    """torch noise for every sample; ``random`` only for sample 13 (a conditional augmentation)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> tuple[float, float]:
+        import random
+
+        return float(torch.rand(())), random.random() if i == 13 else 0.0
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_random_left_alone_by_a_batch_is_not_seeded_and_a_sample_drawing_from_it_is_keyed(workers: int) -> None:
+    import random
+
+    one_by_one = {i: KeyedSampleDataset(_SometimesRandom(), root=7)[SampleKey(2, i)] for i in range(32)}
+    random.seed(99)
+    untouched = random.random()
+    random.seed(99)
+    data = KeyedSampleDataset(_SometimesRandom(), root=7)
+    assert len(data.__getitems__([SampleKey(2, i) for i in range(0, 12)])) == 12  # no sample draws from random
+    assert random.random() == untouched  # the main process's `random` stream was not seeded per sample
+    batches = [list(range(20, 32)), list(range(8, 20)), list(range(0, 8))]  # sample 13 in the second batch
+    loader = DataLoader(data, batch_sampler=[[SampleKey(2, i) for i in b] for b in batches], num_workers=workers,
+                        collate_fn=lambda samples: samples)
+    drawn = {i: tuple(sample) for b, batch in zip(batches, loader) for i, sample in zip(b, batch)}
+    assert drawn == one_by_one  # sample 13's random draw is keyed though the first batch left `random` alone
+    assert one_by_one[13][1] != 0.0
 
 
 # ---------------------------------------------------------------- dropout

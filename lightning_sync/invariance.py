@@ -146,17 +146,15 @@ class GlobalBatchSampler:
 
     def rows(self, step: int) -> list[SampleKey]:
         """This rank's samples in ``step`` (its previous step's again where it has none: a stand-in)."""
-        sizes = self.sizes(step)
-        if sizes[self.rank] == 0:
-            step, sizes = step - 1, self.sizes(step - 1)
-        first = step * self.batch_size + sum(sizes[:self.rank])
-        epoch = self.epoch
-        return [SampleKey(epoch, int(i)) for i in self._epoch_order().take(first, first + sizes[self.rank])]
+        return self.rows_among(step, self.world_size, self.rank)
 
     def rows_among(self, step: int, world_size: int, rank: int) -> list[SampleKey]:
         """Rank ``rank``'s samples of ``step`` were the global batch split over ``world_size`` ranks rather than this
-        plan's (``ddp_sync_ft``'s live replica groups taking a missing group's share of the step)."""
+        plan's (``ddp_sync_ft``'s live replica groups taking a missing group's share of the step); a stand-in (its
+        slice of the previous step, weighted zero by :meth:`share`) where the step has fewer rows than ranks."""
         sizes = self.sizes(step, world_size)
+        if sizes[rank] == 0:
+            step, sizes = step - 1, self.sizes(step - 1, world_size)
         first = step * self.batch_size + sum(sizes[:rank])
         return [SampleKey(self.epoch, int(i)) for i in self._epoch_order().take(first, first + sizes[rank])]
 

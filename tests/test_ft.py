@@ -246,28 +246,33 @@ def test_with_world_size_invariant_a_run_with_a_killed_group_trains_the_one_proc
 @pytest.mark.slow
 @pytest.mark.alone
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("groups, samples", [(2, 640), (3, 640), (3, 641)])
 def test_with_world_size_invariant_the_live_groups_train_a_missing_groups_slices_and_nothing_is_lost(
-        tmp_path: Path, groups: int) -> None:
+        tmp_path: Path, groups: int, samples: int) -> None:
     """world_size_invariant=True, --min-replicas 1: while group 1 is away, the live groups split the whole global
     batch of each step among them (group 1's slice included, loaded in their own processes; with 3 groups the
     normal steps' slices are 11/11/10 rows, weighted, and 16/16 while group 1 is away); none is skipped
     (``missing_shards`` 0), and every group ends within float rounding of ONE process training with batch 32,
-    dropout included."""
+    dropout included. 641 samples: epoch 0's last step has 1 row, trained while group 1 is away (the other live
+    group runs a stand-in weighted zero)."""
+    kill_at = "10" if samples == 640 else "20"  # 641: group 1 dies in step 20, which the live groups then redo
     proc = _ft_run(tmp_path / "ft", ["--replicas", str(groups), "--heartbeat-timeout-ms", "1000"],
-                   ["--steps", "40", "--kill-at", "10", "--alone-sleep", "0.5", "--invariant"], script=FIT,
-                   timeout=300)
+                   ["--steps", "40", "--kill-at", kill_at, "--alone-sleep", "0.5", "--invariant", "--samples",
+                    str(samples)], script=FIT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
     ends = [torch.load(tmp_path / "ft" / f"group{g}.pt") for g in range(groups)]
+    assert [end["life"] for end in ends] == [0, 1, 0][:groups]  # only the killed group restarted
     assert all(torch.equal(ends[0]["weights"], end["weights"]) for end in ends[1:])
     away = [r for r in _steps(tmp_path / "ft", 0) if r["participants"] < groups]
     assert away, "group 0 never trained without group 1: the test did not test the take-over"
+    if samples == 641:
+        assert any(r["epoch"] == 0 and r["batch_idx"] == 20 for r in away), f"the one-row step was not taken over: {away}"
     assert all(end["report"]["missing_shards"] == 0 for end in ends)
     assert ends[0]["report"]["taken_over"] == len(away) == ends[1]["report"]["taken_over"]  # (carried to group 1)
     assert f"0 data shards of missing groups not trained, {len(away)} trained by the live groups" in proc.stderr
     # a step's sync_dist=True value is the group's own (its process group), not weighted by the global batch's split
     assert all(r["loss_synced"] == r["loss"] for g in range(groups) for r in _steps(tmp_path / "ft", g))
-    one_process = _control(tmp_path / "control", "--steps", "40", "--invariant")
+    one_process = _control(tmp_path / "control", "--steps", "40", "--invariant", "--samples", str(samples))
     assert torch.allclose(ends[0]["weights"], one_process, rtol=0, atol=1e-5 * one_process.abs().max().item())
 
 

@@ -61,6 +61,11 @@ def test_a_last_global_batch_smaller_than_the_world_gives_stand_ins_weighted_zer
     assert plans[2].rows(last) == plans[2].rows(last - 1)  # its previous slice again
     assert plans[0].share(last).loss_scale == pytest.approx(3 * 1 / 2)
     assert plans[0].share(0).loss_scale == 1.0
+    # 961 samples split among fewer ranks (ddp_sync_ft's live groups): 2 of 3 take the last step's 1 row
+    short = GlobalBatchSampler(961, 24, 3, 0, True, seed=1, drop_last=False)
+    assert short.sizes(last, 2) == (1, 0) and short.share(last, 2, 1).loss_scale == 0.0
+    assert short.rows_among(last, 2, 1) == short.rows_among(last - 1, 2, 1)  # a stand-in, not an empty batch
+    assert len(short.rows_among(last, 2, 0)) == 1
 
 
 def test_the_plan_refuses_what_cannot_be_split() -> None:

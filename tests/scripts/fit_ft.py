@@ -1,6 +1,6 @@
 """A Lightning fit under ``strategy="ddp_sync_ft"`` (one process per replica group), for tests/test_ft.py.
 
-Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--kill-at S] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--timer] [--batchnorm] [--val]
+Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--samples 640] [--kill-at S] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--timer] [--batchnorm] [--val]
 Without it (the control): python tests/scripts/fit_ft.py --out DIR --control  (Lightning's 2-rank ddp_sync run
 of the same model, seed and data; each rank takes the shard a replica group takes).
 
@@ -113,6 +113,7 @@ def main() -> None:
                    help="Timer in every group: group 0's runs out after 1 s of training, group 1's after an hour")
     p.add_argument("--ckpt-dir", default=None,
                    help="a ModelCheckpoint (every 2 steps, last.ckpt) in this directory; '{group}' becomes the group")
+    p.add_argument("--samples", type=int, default=640, help="training samples (641: epoch 0's last step has 1 row)")
     p.add_argument("--invariant", action="store_true",
                    help="world_size_invariant=True: the loader's batch is the global one (32); --control runs 1 process")
     args = p.parse_args()
@@ -139,7 +140,7 @@ def main() -> None:
                         + ([L.pytorch.callbacks.Timer(timedelta(seconds=1 if group == 0 else 3600))] if args.timer
                            else []))
     val = DataLoader(data(seed=1, n=96), batch_size=16) if args.val else None
-    trainer.fit(model, DataLoader(data(), batch_size=32 if args.invariant else 16, shuffle=True), val)
+    trainer.fit(model, DataLoader(data(n=args.samples), batch_size=32 if args.invariant else 16, shuffle=True), val)
     weights = torch.cat([t.detach().flatten() for t in model.parameters()])
     torch.save({"weights": weights, "state": model.state_dict(), "life": life, "global_step": trainer.global_step,
                 "report": dict(getattr(trainer.strategy, "ft_report", {}))}, args.out / f"group{group}.pt")

@@ -7,10 +7,10 @@ Lightning's launcher, ``SyncDDPStrategy(world_size_invariant=True)`` (a loader o
 batch) against ``world_size_invariant=False`` (a loader of batch 64 a rank), the same samples a step; every
 fit in the same two processes, the first dropped (warm-up), then ABBA. Median loop iteration (batch start to
 the next batch start). ``--workers 0`` (default): the main process loads, so the keyed seeding of each sample
-(~11 us) is on the step's path; ``--workers 2`` moves it into the workers.
+(~5 us a sample) is on the step's path; ``--workers 2`` moves it into the workers.
 
 1. ``light``: a sample is a stored vector plus ``torch.randn`` noise (~1 us of work): the worst case for the
-   per-sample keyed seeding (~20 us a sample in the main process).
+   per-sample keyed seeding.
 2. ``image``: a random 28x28 crop and flip of a stored 3x32x32 image (torch), a common augmentation.
 3. ``dropout``: ``light`` data, the MLP with two ``nn.Dropout(0.1)`` layers: the invariant masks are drawn
    for the global batch (2x the draws on 2 ranks).

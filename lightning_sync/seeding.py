@@ -144,6 +144,7 @@ class SeedLineage:
     local_seeds: list[int | None] = field(default_factory=list)
     _pending_rng: dict[str, Any] | None = field(default=None, repr=False)
     _resumed_at: int | None = field(default=None, repr=False)  # global step of a checkpoint from another world size
+    _streams_of_another: bool = field(default=False, repr=False)  # ... or holding another process's RNG states
 
     @property
     def rank_seeds(self) -> list[int]:
@@ -192,18 +193,23 @@ class SeedLineage:
         else:
             seed_everything_local(derive_seed(self.root, "rank", rank))
 
-    def describe(self) -> str:
-        """One log line: the root, where it came from, and each rank's derived seed."""
+    def describe(self, first_stream_rank: int = 0) -> str:
+        """One log line: the root, where it came from, and each rank's derived seed (``first_stream_rank``: the
+        stream rank of this process group's rank 0, where several process groups train one model: replica
+        groups)."""
         differing = [f"rank {r} {s}" for r, s in enumerate(self.local_seeds) if s != self.local_seeds[0]]
         note = (f"; ranks started with other seeds ({', '.join(differing)}) now follow rank 0"
                 if differing else "")
+        ranks = range(first_stream_rank, first_stream_rank + self.world_size)
         if self._pending_rng is not None:
             rank_part = "each rank's RNG state continues from the checkpoint"
         elif self._resumed_at is not None:
+            why = ("recovered from another process's state" if self._streams_of_another
+                   else "another world size wrote the checkpoint")
             rank_part = ", ".join(f"rank {r} {derive_seed(self.root, 'rank', r, 'resumed', self._resumed_at)}"
-                                  for r in range(self.world_size)) + " (new: another world size wrote the checkpoint)"
+                                  for r in ranks) + f" (new: {why})"
         else:
-            rank_part = ", ".join(f"rank {r} {s}" for r, s in enumerate(self.rank_seeds))
+            rank_part = ", ".join(f"rank {r} {derive_seed(self.root, 'rank', r)}" for r in ranks)
         return (f"lightning_sync: root seed {self.root} (rank 0's, from {self.origin}){note}. "
                 f"Samplers and model init use the root; per-rank streams: {rank_part}; "
                 f"workers: derive_seed(root, 'worker', rank, worker_id, epoch base).")
@@ -253,6 +259,7 @@ class SeedLineage:
         states = state.get("rng_states") or []
         if state.get("new_streams"):  # another process's state (a live replica group's): streams of this rank's own
             self._resumed_at = int(state.get("global_step") or 0)
+            self._streams_of_another = True
         elif state.get("world_size") == self.world_size and rank < len(states):
             self._pending_rng = states[rank]
         else:

@@ -224,6 +224,11 @@ def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(t
     restarted = [r for r in _steps(tmp_path / "ft", 1) if r["life"] == 1]
     assert [r["step"] for r in restarted] == list(range(11, 41))
     assert [r["batch"] for r in restarted] == [r["batch"] for r in _steps(tmp_path / "control", 1)][10:]
+    # its loops go on at the survivor's batch of the epoch (a live group's loader state is of the same data split,
+    # not a resume on another world size: batch_idx restarted at 0 before), with a random stream of its own
+    assert [(r["epoch"], r["batch_idx"]) for r in restarted] == [(r["epoch"], r["batch_idx"]) for r in survivor][10:]
+    assert "dealt out again" not in proc.stderr
+    assert "per-rank streams: rank 1 " in proc.stderr and "(new: recovered from another process's state)" in proc.stderr
 
 
 @pytest.mark.slow
@@ -239,6 +244,8 @@ def test_with_world_size_invariant_a_run_with_a_killed_group_trains_the_one_proc
     assert "ddp_sync_ft: replica group 1 (life 1) recovers from a live group at step 10" in proc.stderr
     first, second = torch.load(tmp_path / "ft" / "group0.pt"), torch.load(tmp_path / "ft" / "group1.pt")
     assert torch.equal(first["weights"], second["weights"]) and first["report"]["redone"] == 1
+    restarted = [(r["step"], r["epoch"], r["batch_idx"]) for r in _steps(tmp_path / "ft", 1) if r["life"] == 1]
+    assert restarted == [(r["step"], r["epoch"], r["batch_idx"]) for r in _steps(tmp_path / "ft", 0)][10:]
     one_process = _control(tmp_path / "control", "--steps", "40", "--invariant")
     assert torch.allclose(first["weights"], one_process, rtol=0, atol=1e-5 * one_process.abs().max().item())
 

@@ -139,6 +139,11 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         return self.replica_group.group_id * self.world_size + self.global_rank
 
     @property
+    def data_world_size(self) -> int:
+        """The ranks the training data is split over: every replica group's."""
+        return self.world_size * self.replica_group.num_groups
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         kwargs = dict(super().distributed_sampler_kwargs)
         trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))

@@ -31,7 +31,8 @@ class ResumableDataPart(Part):
 
     def on_load_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], fitting: bool,
                            directory: Path | None) -> None:
-        self.hooks.on_load(checkpoint, strategy.world_size, strategy.global_rank, fitting)  # each rank's loader
+        self.hooks.on_load(checkpoint, strategy.world_size, strategy.global_rank, fitting,  # each rank's loader
+                           getattr(strategy, "data_world_size", None))
 
     def on_train_start(self, strategy: Any, trainer: Any) -> None:
         # a mid-epoch checkpoint's loader position (if Lightning set the loader up before restoring it),

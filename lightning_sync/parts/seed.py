@@ -49,7 +49,7 @@ class SeedLineagePart(Part):
         self.pending_state = None
         if self._announced != self.lineage.root:  # one banner, naming the seed the run uses
             self._announced = self.lineage.root
-            rank_zero_info(self.lineage.describe())
+            rank_zero_info(self.lineage.describe(stream_rank(strategy) - strategy.global_rank))
         self.lineage.seed_rank_streams(stream_rank(strategy))
 
     def process_dataloader(self, strategy: Any, dataloader: Any, trainer: Any) -> Any:

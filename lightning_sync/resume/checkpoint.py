@@ -145,7 +145,12 @@ class ResumeHooks:
         """This rank's loader states, to be gathered beside its RNG state."""
         return local_loader_states(checkpoint)
 
-    def on_load(self, checkpoint: dict[str, Any], world_size: int, rank: int, fitting: bool = True) -> None:
+    def on_load(self, checkpoint: dict[str, Any], world_size: int, rank: int, fitting: bool = True,
+                data_world_size: int | None = None) -> None:
+        """``world_size``, ``rank``: this process group's; ``data_world_size``: the ranks the training data is split
+        over, where more than the process group's (``ddp_sync_ft``'s replica groups: a recovering group is sent a
+        live group's loader state of the same split)."""
+        data_world = world_size if data_world_size is None else data_world_size
         self._expects_resumable_loader = False
         self._rng_after_iterator = None
         if not fitting:  # validate/test/predict from a checkpoint: no training loader to resume
@@ -157,10 +162,10 @@ class ResumeHooks:
         if sampler_state is None:
             return
         self._expects_resumable_loader = True
-        if sampler_state["world_size"] != world_size and is_mid_epoch(sampler_state):
-            adjust_progress_for_reshard(checkpoint, sampler_state, world_size)
+        if sampler_state["world_size"] != data_world and is_mid_epoch(sampler_state):
+            adjust_progress_for_reshard(checkpoint, sampler_state, data_world)
             if rank == 0:
-                log.warning(describe_reshard(sampler_state, world_size))
+                log.warning(describe_reshard(sampler_state, data_world))
         rng_states = ours.get("rng_states") or []
         if is_mid_epoch(sampler_state) and ours.get("world_size") == world_size and rank < len(rng_states):
             # Lightning creates the resumed iterator (one draw from the global generator) before training

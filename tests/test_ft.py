@@ -228,6 +228,11 @@ def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(t
     # not a resume on another world size: batch_idx restarted at 0 before), with a random stream of its own
     assert [(r["epoch"], r["batch_idx"]) for r in restarted] == [(r["epoch"], r["batch_idx"]) for r in survivor][10:]
     assert "dealt out again" not in proc.stderr
+    # the lost group's failed collective in one line (no traceback of torchft's frames), no flight-recorder warning
+    lines = proc.stderr.splitlines()
+    assert not any("got exception waiting for work" in line and lines[i + 1:i + 2] == ["Traceback (most recent call "
+                   "last):"] for i, line in enumerate(lines))
+    assert "flight recorder" not in proc.stderr
     assert "per-rank streams: rank 1 " in proc.stderr and "(new: recovered from another process's state)" in proc.stderr
 
 

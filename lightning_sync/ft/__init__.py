@@ -106,8 +106,9 @@ def replica_context(state_dict: Callable[[], dict[str, Any]], load_state_dict: C
     from torchft import Manager, ProcessGroupGloo
     from torchft.checkpointing.pg_transport import PGTransport
 
-    from lightning_sync._compat.torchft_api import manager_server_bound_to
+    from lightning_sync._compat.torchft_api import manager_server_bound_to, quiet_manager_log
 
+    quiet_manager_log()
     group = group or ReplicaGroup.from_env()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((group.host, 0))

@@ -7,7 +7,7 @@ Lightning's launcher, ``SyncDDPStrategy(world_size_invariant=True)`` (a loader o
 batch) against ``world_size_invariant=False`` (a loader of batch 64 a rank), the same samples a step; every
 fit in the same two processes, the first dropped (warm-up), then ABBA. Median loop iteration (batch start to
 the next batch start). ``--workers 0`` (default): the main process loads, so the keyed seeding of each sample
-(~5 us a sample) is on the step's path; ``--workers 2`` moves it into the workers.
+(~8 us a sample) is on the step's path; ``--workers 2`` moves it into the workers.
 
 1. ``light``: a sample is a stored vector plus ``torch.randn`` noise (~1 us of work): the worst case for the
    per-sample keyed seeding.

@@ -212,22 +212,19 @@ class KeyedSampleDataset(Dataset[Any]):
 
     In the main process torch's state is put back after each batch (the training step's torch stream does not
     move) while numpy's and ``random``'s go on from the last sample's stream (saving them costs more than the
-    sample); in a worker they are left seeded (the worker draws nothing else). CPU generators only: a data set
+    sample); in a worker all three are left as the last sample seeded them. CPU generators only: a data set
     drawing CUDA random numbers is not keyed. ``root`` is a seed or an object with a ``root`` attribute read at
-    each sample (a resumed run adopts its checkpoint's).
+    each batch (a resumed run adopts its checkpoint's). The wrapped data set's own ``__getitems__`` is not used:
+    each sample is drawn by ``__getitem__``, keyed.
 
-    Seeding ``random`` costs 4.5 us a sample, more than a light sample itself, and most data sets never draw from
-    it: a batch of at least :data:`VERIFY_RANDOM_FROM` samples is drawn with ``random`` left alone and its state
-    compared before and after (14 us a batch). Where it moved, a sample drew from it: from then on this process
-    seeds it for every sample, and that batch is drawn again (so its samples are keyed too; a data set's
-    ``__getitem__`` runs twice for one batch, once a process). Every sample that draws from ``random`` has it
-    seeded either way.
+    Every generator is seeded before every sample, whether the sample draws from it or not: a check after the
+    sample (did the state move?) would miss a sample that puts the state back (Lightning's ``isolate_rng``), and a
+    sample drawn again once the check failed would keep what its first, unkeyed draw cached.
     """
 
     def __init__(self, dataset: Dataset[Any], root: Any) -> None:
         self.dataset = dataset
         self._root = root
-        self._draws_random = False  # a sample here drew from `random`: it is seeded for each sample
 
     @property
     def root(self) -> int:
@@ -243,48 +240,37 @@ class KeyedSampleDataset(Dataset[Any]):
 
     def __getitems__(self, keys: list[Any]) -> list[Any]:
         """A batch's samples (torch's fetcher asks for the batch at once), each drawn with the generators seeded
-        from its key. In the main process torch's state is saved once for the batch and put back after
-        it (under a microsecond: the training step's own draws go on from the rank's stream); numpy's and
-        ``random``'s go on from the last sample's (saving them would cost ~60 us and ~7 us a sample; no number
-        repeats; deterministic). The wrapped data set's own ``__getitems__`` is not used: each sample is keyed."""
+        from its key. In the main process torch's state is saved once for the batch and put back after it (under
+        a microsecond: the training step's own draws go on from the rank's stream); numpy's and ``random``'s go on
+        from the last sample's (saving them would cost ~60 us and ~7 us a sample; no number repeats;
+        deterministic)."""
         if not keys or not isinstance(keys[0], SampleKey):
             return [self[key] for key in keys]
+        dataset, root = self.dataset, self.root
+        torch_seed, random_seed, numpy_seed = _CPU_SEEDERS
         torch_state = None if torch.utils.data.get_worker_info() is not None else torch.default_generator.get_state()
         try:
-            if self._draws_random or len(keys) < VERIFY_RANDOM_FROM:
-                return self._draw(keys, seed_random=True)
-            before = random.getstate()
-            samples = self._draw(keys, seed_random=False)
-            if _same_random_state(before, random.getstate()):
-                return samples
-            self._draws_random = True
-            return self._draw(keys, seed_random=True)
+            samples = []
+            epoch, prefix = None, hashlib.blake2b(digest_size=8)
+            for key in keys:
+                if key.epoch != epoch:  # derive_seed(root, "sample", epoch, i), the prefix hashed once (0.45 us, not 1)
+                    epoch, prefix = key.epoch, hashlib.blake2b(f"{root}:sample:{key.epoch}:".encode(), digest_size=8)
+                h = prefix.copy()
+                h.update(str(key.sample).encode())
+                seed = int.from_bytes(h.digest(), "little") & MAX_SEED
+                torch_seed(seed)
+                random_seed(seed)
+                if numpy_seed is not None:
+                    numpy_seed(seed)
+                samples.append(dataset[key.sample])
+            return samples
         finally:
             if torch_state is not None:
                 torch.default_generator.set_state(torch_state)
 
-    def _draw(self, keys: list[SampleKey], seed_random: bool) -> list[Any]:
-        dataset, root = self.dataset, self.root
-        torch_seed, random_seed, numpy_seed = _CPU_SEEDERS
-        samples = []
-        epoch, prefix = None, hashlib.blake2b(digest_size=8)
-        for key in keys:
-            if key.epoch != epoch:  # derive_seed(root, "sample", epoch, i), the prefix hashed once (0.45 us, not 1)
-                epoch, prefix = key.epoch, hashlib.blake2b(f"{root}:sample:{key.epoch}:".encode(), digest_size=8)
-            h = prefix.copy()
-            h.update(str(key.sample).encode())
-            seed = int.from_bytes(h.digest(), "little") & MAX_SEED
-            torch_seed(seed)
-            if seed_random:
-                random_seed(seed)
-            if numpy_seed is not None:
-                numpy_seed(seed)
-            samples.append(dataset[key.sample])
-        return samples
-
     def __getattr__(self, name: str) -> Any:
         # the wrapped data set's own attributes (not dunders: its ``__getitems__`` would bypass the keys)
-        if name.startswith("__") or name in ("dataset", "_root", "_draws_random"):
+        if name.startswith("__") or name in ("dataset", "_root"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
@@ -297,15 +283,6 @@ except ImportError:  # numpy is optional for torch
 # Seeding torch's default CPU generator (``torch.manual_seed`` would also seed every CUDA generator: 70 us
 # against 1), ``random`` and numpy's global generator: ~1, 4.5 and 1.5 us a sample.
 _CPU_SEEDERS = (torch.default_generator.manual_seed, random.seed, None if _np is None else _np.random.seed)
-#: Batches of at least this many samples check whether a sample drew from ``random`` instead of seeding it for
-#: each sample (:class:`KeyedSampleDataset`): the check's 14 us a batch against 4.5 us a sample.
-VERIFY_RANDOM_FROM = 8
-
-
-def _same_random_state(before: Any, after: Any) -> bool:
-    """``random.getstate()`` twice: did nothing draw in between? Any draw moves the Mersenne Twister's position
-    (the state's last word) or, after a whole block, every word; ``gauss`` keeps a second number."""
-    return bool(before[1][-1] == after[1][-1] and before[1][:8] == after[1][:8] and before[2] == after[2])
 
 
 # --------------------------------------------------------------------------- dropout

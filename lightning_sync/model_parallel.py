@@ -66,6 +66,16 @@ class SyncModelParallelStrategy(SyncStrategyMixin, ModelParallelStrategy):
             # only must be confirmed by the others before its data moves, or gloo pairs it with one of those
             self.guard.confirm_first = True
 
+    @property
+    def data_world_size(self) -> int:
+        """The ranks the training data is split over: the data-parallel ones (``tensor_parallel_size`` ranks share
+        each slice), what a resumed loader position is compared with."""
+        try:
+            mesh = self.device_mesh
+        except RuntimeError:  # Lightning's: before the processes exist
+            return self.world_size
+        return int(mesh["data_parallel"].size())
+
     @override
     def setup_environment(self) -> None:
         dp, tp = _compat.model_parallel_sizes(self)

@@ -197,7 +197,8 @@ class SeedLineage:
         """One log line: the root, where it came from, and each rank's derived seed (``first_stream_rank``: the
         stream rank of this process group's rank 0, where several process groups train one model: replica
         groups)."""
-        differing = [f"rank {r} {s}" for r, s in enumerate(self.local_seeds) if s != self.local_seeds[0]]
+        differing = [f"rank {first_stream_rank + r} {s}" for r, s in enumerate(self.local_seeds)
+                     if s != self.local_seeds[0]]
         note = (f"; ranks started with other seeds ({', '.join(differing)}) now follow rank 0"
                 if differing else "")
         ranks = range(first_stream_rank, first_stream_rank + self.world_size)
@@ -257,9 +258,9 @@ class SeedLineage:
             self.origin = "the checkpoint being resumed"
             self.local_seeds = [self.root] * len(self.local_seeds)  # the agreed one is replaced on every rank
         states = state.get("rng_states") or []
+        self._streams_of_another = bool(state.get("new_streams"))
         if state.get("new_streams"):  # another process's state (a live replica group's): streams of this rank's own
             self._resumed_at = int(state.get("global_step") or 0)
-            self._streams_of_another = True
         elif state.get("world_size") == self.world_size and rank < len(states):
             self._pending_rng = states[rank]
         else:

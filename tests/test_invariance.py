@@ -121,7 +121,12 @@ def test_a_samples_random_numbers_depend_on_root_epoch_and_index_only() -> None:
 
 
 class _SometimesRandom(Dataset):
-    """torch noise for every sample; ``random`` only for sample 13 (a conditional augmentation)."""
+    """torch noise for every sample; ``random`` for sample 13 only (a conditional augmentation), for sample 21
+    with its state put back (as Lightning's ``isolate_rng`` does), and for sample 5 once, cached (fixed label
+    noise): each is keyed only if ``random`` is seeded before the sample, whatever was drawn before."""
+
+    def __init__(self) -> None:
+        self.cache: dict[int, float] = {}
 
     def __len__(self) -> int:
         return 40
@@ -129,26 +134,28 @@ class _SometimesRandom(Dataset):
     def __getitem__(self, i: int) -> tuple[float, float]:
         import random
 
-        return float(torch.rand(())), random.random() if i == 13 else 0.0
+        drawn = 0.0
+        if i == 13:
+            drawn = random.random()
+        elif i == 21:
+            state = random.getstate()
+            drawn = random.random()
+            random.setstate(state)
+        elif i == 5:
+            drawn = self.cache.setdefault(i, random.random())
+        return float(torch.rand(())), drawn
 
 
 @pytest.mark.parametrize("workers", [0, 1])
-def test_random_left_alone_by_a_batch_is_not_seeded_and_a_sample_drawing_from_it_is_keyed(workers: int) -> None:
-    import random
-
+def test_a_sample_drawing_from_random_is_keyed_in_any_batch_conditional_restoring_or_cached(workers: int) -> None:
     one_by_one = {i: KeyedSampleDataset(_SometimesRandom(), root=7)[SampleKey(2, i)] for i in range(32)}
-    random.seed(99)
-    untouched = random.random()
-    random.seed(99)
-    data = KeyedSampleDataset(_SometimesRandom(), root=7)
-    assert len(data.__getitems__([SampleKey(2, i) for i in range(0, 12)])) == 12  # no sample draws from random
-    assert random.random() == untouched  # the main process's `random` stream was not seeded per sample
-    batches = [list(range(20, 32)), list(range(8, 20)), list(range(0, 8))]  # sample 13 in the second batch
-    loader = DataLoader(data, batch_sampler=[[SampleKey(2, i) for i in b] for b in batches], num_workers=workers,
+    assert all(one_by_one[i][1] != 0.0 for i in (5, 13, 21))
+    batches = [list(range(20, 32)), list(range(8, 20)), list(range(0, 8))]
+    loader = DataLoader(KeyedSampleDataset(_SometimesRandom(), root=7),
+                        batch_sampler=[[SampleKey(2, i) for i in b] for b in batches], num_workers=workers,
                         collate_fn=lambda samples: samples)
     drawn = {i: tuple(sample) for b, batch in zip(batches, loader) for i, sample in zip(b, batch)}
-    assert drawn == one_by_one  # sample 13's random draw is keyed though the first batch left `random` alone
-    assert one_by_one[13][1] != 0.0
+    assert drawn == one_by_one
 
 
 # ---------------------------------------------------------------- dropout

@@ -361,3 +361,31 @@ def test_rng_state_encodings_round_trip(compact: bool) -> None:
     np.random.seed(99)
     _restore_rng_state(pickle.loads(pickle.dumps(state)))
     assert (torch.rand(3).tolist(), random.random(), np.random.randn(2).tolist()) == drawn
+
+
+@pytest.mark.parametrize("world_size, data_world, reshards", [(2, 1, False), (2, None, True), (1, 2, False)])
+def test_a_loader_position_is_compared_with_the_ranks_the_data_is_split_over(
+        caplog: pytest.LogCaptureFixture, world_size: int, data_world: int | None, reshards: bool) -> None:
+    """A mid-epoch loader position written by a sampler over ``data_world`` ranks, loaded by a strategy whose
+    processes are more (tensor parallelism: ranks share a slice) or fewer (ddp_sync_ft: every replica group's
+    ranks split the data): the same split, so no re-shard (the batch progress is kept); without a
+    ``data_world_size``, the process count is compared and the same position is taken for another world size."""
+    import types
+
+    from lightning_sync.parts.data import ResumableDataPart
+    from lightning_sync.resume.loader import STATE_KEY
+    from lightning_sync.resume.sampler import SAMPLER_NAME
+
+    sampler = {"sampler": SAMPLER_NAME, "epoch": 0, "seed": 0, "shuffle": True, "drop_last": False,
+               "dataset_len": 100, "world_size": data_world or 1, "start": 0, "yielded": 4, "segment_len": 10,
+               "order": "randperm"}
+    progress = {"ready": 4, "started": 4, "processed": 4, "completed": 4}
+    checkpoint = {"loops": {"fit_loop": {"state_dict": {"combined_loader": [{STATE_KEY: {"sampler": sampler}}]},
+                                         "epoch_loop.batch_progress": {"current": dict(progress)}}}}
+    strategy = types.SimpleNamespace(world_size=world_size, global_rank=0)
+    if data_world is not None:
+        strategy.data_world_size = data_world
+    with caplog.at_level("WARNING"):
+        ResumableDataPart(resume=None).on_load_checkpoint(strategy, checkpoint, True, None)
+    current = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+    assert (current["ready"] == 0) is reshards and ("dealt out again" in caplog.text) is reshards

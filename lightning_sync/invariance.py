@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
-import hashlib
 import math
 import random
 from collections.abc import Iterator
@@ -45,10 +44,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_sync.collectives import MAX_SEED
 from lightning_sync.joining import StepShare
 from lightning_sync.sampling import EpochOrder, shard_sizes, shuffle_order
-from lightning_sync.seeding import derive_seed
+from lightning_sync.seeding import derive_seed, derive_seeds
 
 __all__ = ["DropoutStep", "GlobalBatchSampler", "InvariantLoader", "KeyedSampleDataset", "SampleKey",
            "dropout_step", "global_steps", "make_dropout_invariant", "rerun_dropout_step"]
@@ -251,13 +249,11 @@ class KeyedSampleDataset(Dataset[Any]):
         torch_state = None if torch.utils.data.get_worker_info() is not None else torch.default_generator.get_state()
         try:
             samples = []
-            epoch, prefix = None, hashlib.blake2b(digest_size=8)
+            epoch, seeds = keys[0].epoch, derive_seeds(root, "sample", keys[0].epoch)
             for key in keys:
-                if key.epoch != epoch:  # derive_seed(root, "sample", epoch, i), the prefix hashed once (0.45 us, not 1)
-                    epoch, prefix = key.epoch, hashlib.blake2b(f"{root}:sample:{key.epoch}:".encode(), digest_size=8)
-                h = prefix.copy()
-                h.update(str(key.sample).encode())
-                seed = int.from_bytes(h.digest(), "little") & MAX_SEED
+                if key.epoch != epoch:
+                    epoch, seeds = key.epoch, derive_seeds(root, "sample", key.epoch)
+                seed = seeds(key.sample)  # derive_seed(root, "sample", epoch, i)
                 torch_seed(seed)
                 random_seed(seed)
                 if numpy_seed is not None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lightning_sync as ls
-from lightning_sync.seeding import derive_seed
+from lightning_sync.seeding import derive_seed, derive_seeds
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_seed.py"
 N = 24  # fit_seed.py's data set size
@@ -48,6 +48,8 @@ def test_derive_seed_is_stable_and_spread() -> None:
     seeds = {derive_seed(42, "rank", r) for r in range(1000)}
     assert len(seeds) == 1000 and all(0 <= s < 2**32 for s in seeds)
     assert derive_seed(41, "rank", 1) != derive_seed(42, "rank", 0)
+    seeds_of = derive_seeds(42, "sample", 3)  # the prefix hashed once: the same seeds
+    assert [seeds_of(i) for i in range(300)] == [derive_seed(42, "sample", 3, i) for i in range(300)]
 
 
 def _epochs(report: dict, per_epoch: int) -> list[list[int]]:

@@ -162,8 +162,17 @@ class SeedLineage:
 
     @property
     def rank_seeds(self) -> list[int]:
-        """The seed of each rank's global RNGs after model set-up."""
-        return [derive_seed(self.root, "rank", r) for r in range(self.world_size)]
+        """The seed each rank's global RNGs got after model set-up, ranks ``0 .. world_size - 1`` (after a resume
+        on another world size, the new streams'; where the RNG states continue from a checkpoint, the seeds the
+        run started with). Where several process groups train one model (replica groups), :meth:`stream_seed`
+        of a stream rank."""
+        return [self.stream_seed(r) for r in range(self.world_size)]
+
+    def stream_seed(self, stream_rank: int) -> int:
+        """The seed the global RNGs of stream rank ``stream_rank`` got after model set-up (see :attr:`rank_seeds`)."""
+        if self._resumed_at is not None:
+            return derive_seed(self.root, "rank", stream_rank, "resumed", self._resumed_at)
+        return derive_seed(self.root, "rank", stream_rank)
 
     # ---------------------------------------------------------------- the three moments of a run
 
@@ -202,10 +211,8 @@ class SeedLineage:
         if self._pending_rng is not None:
             _restore_rng_state(self._pending_rng)
             self._pending_rng = None
-        elif self._resumed_at is not None:  # another world size: new streams, not the run's first ones again
-            seed_everything_local(derive_seed(self.root, "rank", rank, "resumed", self._resumed_at))
-        else:
-            seed_everything_local(derive_seed(self.root, "rank", rank))
+        else:  # (after a resume on another world size: new streams, not the run's first ones again)
+            seed_everything_local(self.stream_seed(rank))
 
     def describe(self, first_stream_rank: int = 0) -> str:
         """One log line: the root, where it came from, and each rank's derived seed (``first_stream_rank``: the
@@ -221,10 +228,9 @@ class SeedLineage:
         elif self._resumed_at is not None:
             why = ("recovered from another process's state" if self._streams_of_another
                    else "another world size wrote the checkpoint")
-            rank_part = ", ".join(f"rank {r} {derive_seed(self.root, 'rank', r, 'resumed', self._resumed_at)}"
-                                  for r in ranks) + f" (new: {why})"
+            rank_part = ", ".join(f"rank {r} {self.stream_seed(r)}" for r in ranks) + f" (new: {why})"
         else:
-            rank_part = ", ".join(f"rank {r} {derive_seed(self.root, 'rank', r)}" for r in ranks)
+            rank_part = ", ".join(f"rank {r} {self.stream_seed(r)}" for r in ranks)
         return (f"lightning_sync: root seed {self.root} (rank 0's, from {self.origin}){note}. "
                 f"Samplers and model init use the root; per-rank streams: {rank_part}; "
                 f"workers: derive_seed(root, 'worker', rank, worker_id, epoch base).")

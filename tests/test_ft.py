@@ -16,6 +16,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -287,6 +288,105 @@ def test_with_world_size_invariant_the_live_groups_train_a_missing_groups_slices
     one_process = _control(tmp_path / "control", "--steps", "40", "--invariant", "--samples", str(samples))
     assert torch.allclose(ends[0]["weights"], one_process, rtol=0, atol=1e-5 * one_process.abs().max().item())
 
+
+@pytest.mark.slow
+@pytest.mark.alone  # timing: the survivor's stall is compared with the timeouts
+@pytest.mark.timeout(360)
+def test_a_frozen_group_stalls_the_others_for_a_timeout_then_is_replaced_and_nothing_is_lost(tmp_path: Path) -> None:
+    """Group 1 SIGSTOPs itself in the middle of step 11 (frozen: its connections stay open, nothing fails on the
+    wire). Group 0 waits in the gradient all-reduce for torchft's timeout (5 s here), runs the step again without
+    group 1 (whose heartbeats stopped: out of the quorum after 1 s) and trains on alone; lsync-ft-run ends the
+    frozen group after --stopped-timeout (5 s) and restarts it; it recovers from group 0. Both end within float
+    rounding of ONE process training with batch 32: nothing lost."""
+    proc = _ft_run(tmp_path / "ft", ["--replicas", "2", "--heartbeat-timeout-ms", "1000", "--stopped-timeout", "5"],
+                   ["--steps", "40", "--stop-at", "10", "--ft-timeout", "5", "--alone-sleep", "0.3", "--invariant"],
+                   script=FIT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert re.search(r"replica group 1 is stopped \(process \d+, SIGSTOP\); the others train without it; it is ended "
+                     r"and restarted in 5 s", proc.stderr), proc.stderr[-4000:]
+    assert ("replica group 1 ended (stopped (SIGSTOP) for 5 s, ended by lsync-ft-run); restarting it (restart 1 of 3)"
+            in proc.stderr)
+    ends = [torch.load(tmp_path / "ft" / f"group{g}.pt") for g in range(2)]
+    assert [end["life"] for end in ends] == [0, 1] and torch.equal(ends[0]["weights"], ends[1]["weights"])
+    survivor = _steps(tmp_path / "ft", 0)
+    assert [r["step"] for r in survivor] == list(range(1, 41)) and ends[0]["report"]["redone"] == 1
+    # the bound: torchft's timeout (the all-reduce with the frozen group) + the lighthouse's heartbeat timeout
+    stall = survivor[10]["t"] - survivor[9]["t"]
+    assert 4.5 < stall < 5 + 1 + 10, f"group 0's step 11 took {stall:.1f} s (timeout 5 s, heartbeat timeout 1 s)"
+    assert any(r["participants"] == 1 for r in survivor[10:])  # trained on alone while group 1 was frozen / away
+    one_process = _control(tmp_path / "control", "--steps", "40", "--invariant")
+    assert torch.allclose(ends[0]["weights"], one_process, rtol=0, atol=1e-5 * one_process.abs().max().item())
+
+
+@pytest.mark.slow
+@pytest.mark.alone
+@pytest.mark.timeout(360)
+def test_a_group_killed_twice_recovers_twice_and_nothing_is_lost(tmp_path: Path) -> None:
+    """Group 1 SIGKILLed in step 11 of its first life and in step 26 of its second: restarted twice, it recovers
+    from group 0 each time; both end within float rounding of ONE process training with batch 32."""
+    proc = _ft_run(tmp_path / "ft", ["--replicas", "2", "--max-restarts", "2", "--heartbeat-timeout-ms", "1000"],
+                   ["--steps", "40", "--kill-at", "10", "25", "--alone-sleep", "0.3", "--invariant"], script=FIT,
+                   timeout=240)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "replica group 1 ended (killed by SIGKILL); restarting it (restart 2 of 2)" in proc.stderr
+    assert "all 2 replica groups finished; restarted: group 1 x2" in proc.stderr
+    assert all(f"ddp_sync_ft: replica group 1 (life {life}) recovers from a live group" in proc.stderr for life in (1, 2))
+    ends = [torch.load(tmp_path / "ft" / f"group{g}.pt") for g in range(2)]
+    assert [end["life"] for end in ends] == [0, 2] and torch.equal(ends[0]["weights"], ends[1]["weights"])
+    assert [r["step"] for r in _steps(tmp_path / "ft", 0)] == list(range(1, 41))
+    assert {r["life"] for r in _steps(tmp_path / "ft", 1)} == {0, 1, 2}
+    one_process = _control(tmp_path / "control", "--steps", "40", "--invariant")
+    assert torch.allclose(ends[0]["weights"], one_process, rtol=0, atol=1e-5 * one_process.abs().max().item())
+
+def _lighthouse(port: int) -> subprocess.Popen[bytes]:
+    exe = Path(sys.executable).parent / "torchft_lighthouse"
+    return subprocess.Popen([str(exe), "--bind", f"127.0.0.1:{port}", "--min_replicas", "1", "--heartbeat_timeout_ms",
+                             "1000", "--join_timeout_ms", "10000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@pytest.mark.slow
+@pytest.mark.alone
+@pytest.mark.timeout(420)
+def test_a_restarted_lighthouse_costs_a_quorum_timeout_and_no_group_restarts(tmp_path: Path) -> None:
+    """The groups join a lighthouse of their own (``--lighthouse``), which is SIGKILLed after step 60 and started
+    again on its address 2 s later. The quorum request in flight is lost with it: each group waits quorum_timeout
+    (5 s here), asks again (a warning line), and the run goes on with no group restarted and no step lost (before,
+    every group stopped after quorum_timeout, lsync-ft-run restarted all of them and, none being ahead, they trained
+    again from step 0). Both end within float rounding of ONE process training with batch 32."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "ft"
+    out.mkdir()
+    lighthouse = _lighthouse(port)
+    cmd = ["timeout", "-k", "5", "300", sys.executable, "-m", "lightning_sync.ft.launch", "--replicas", "2",
+           "--lighthouse", f"127.0.0.1:{port}", "--", sys.executable, str(FIT), "--out", str(out), "--steps", "200",
+           "--samples", "3200", "--invariant", "--quorum-timeout", "5", "--ft-timeout", "10"]
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log = out / "group0.log"
+        while run.poll() is None and (not log.exists() or len(log.read_text().splitlines()) < 60):
+            time.sleep(0.2)
+        lighthouse.kill()
+        lighthouse.wait()
+        time.sleep(2)
+        lighthouse = _lighthouse(port)
+        _, stderr = run.communicate(timeout=320)
+    finally:
+        run.kill()
+        lighthouse.kill()
+        lighthouse.wait()
+    assert run.returncode == 0, stderr[-6000:]
+    assert "within 5 s (quorum_timeout): the lighthouse http://127.0.0.1:" in stderr, stderr[-4000:]
+    assert "lsync-ft-run: all 2 replica groups finished\n" in stderr + "\n" and "restarting it" not in stderr
+    ends = [torch.load(out / f"group{g}.pt") for g in range(2)]
+    assert [end["life"] for end in ends] == [0, 0] and torch.equal(ends[0]["weights"], ends[1]["weights"])
+    steps = [r["step"] for r in _steps(out, 0)]
+    assert steps == sorted(set(steps)) and steps[-1] == 200 and steps[59] == 60
+    one_process = _control(tmp_path / "control", "--steps", "200", "--samples", "3200", "--invariant")
+    assert torch.allclose(ends[0]["weights"], one_process, rtol=0, atol=1e-5 * one_process.abs().max().item())
 
 @pytest.mark.slow
 @pytest.mark.alone

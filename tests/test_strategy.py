@@ -52,6 +52,28 @@ def test_derive_seed_is_stable_and_spread() -> None:
     assert [seeds_of(i) for i in range(300)] == [derive_seed(42, "sample", 3, i) for i in range(300)]
 
 
+def test_rank_seeds_are_the_seeds_the_rank_streams_get() -> None:
+    import random
+
+    from lightning_sync import SeedLineage
+
+    def first_draw(lineage: SeedLineage, rank: int) -> float:
+        lineage.seed_rank_streams(rank)
+        return random.random()
+
+    state = random.getstate()
+    try:
+        lineage = SeedLineage(root=7, world_size=3, origin="argument", local_seeds=[7, 7, 7])
+        for seeds in (lineage.rank_seeds, [lineage.stream_seed(r) for r in range(3)]):
+            assert [first_draw(lineage, r) for r in range(3)] == [random.Random(s).random() for s in seeds]
+        lineage._resumed_at = 30  # resumed on another world size: new streams, and the seeds say so
+        assert lineage.rank_seeds == [derive_seed(7, "rank", r, "resumed", 30) for r in range(3)]
+        assert [first_draw(lineage, r) for r in range(3)] == [random.Random(s).random() for s in lineage.rank_seeds]
+        assert f"rank 4 {lineage.stream_seed(4)}" in lineage.describe(first_stream_rank=3)  # a replica group's
+    finally:
+        random.setstate(state)
+
+
 def _epochs(report: dict, per_epoch: int) -> list[list[int]]:
     seen = report["seen"]
     return [seen[i:i + per_epoch] for i in range(0, len(seen), per_epoch)]

@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_sync._compat import TouchPoint
 
-__all__ = ["TOUCH_POINTS", "manager_server_bound_to", "quiet_manager_log"]
+__all__ = ["TOUCH_POINTS", "forget_failed_quorum", "manager_server_bound_to", "quiet_manager_log"]
 
 _lock = threading.Lock()
 
@@ -84,6 +84,23 @@ def _manager_binds_every_interface() -> bool:
         getattr(manager_module, "ManagerServer", None))
 
 
+def forget_failed_quorum(manager: Any) -> None:
+    """Let ``manager.start_quorum()`` ask again after a quorum that failed (the lighthouse did not answer within
+    the quorum timeout): torchft 0.2.0's ``start_quorum`` first waits for the previous quorum's future, which
+    would raise the same error again."""
+    future = getattr(manager, "_quorum_future", None)
+    if future is not None and future.done() and future.exception() is not None:
+        manager._quorum_future = None
+
+
+def _quorum_future_waited_first() -> bool:
+    import torchft.manager as manager_module
+
+    source = inspect.getsource(manager_module.Manager.start_quorum)
+    return ("if self._quorum_future is not None:" in source and "self._quorum_future.result()" in source
+            and "self._quorum_future = self._executor.submit(" in source)
+
+
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("torchft.manager.ManagerServer (called by Manager.__init__ with bind='[::]:port')",
                "the replica group's torchft manager listens on its own address, not every interface",
@@ -91,4 +108,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("torchft.manager's log messages (the NCCL flight-recorder warning, 'got exception waiting for work')",
                "lsync-ft-run's output: no flight-recorder warning per quorum change, a lost group's failed "
                "collective in one line", _manager_log_messages),
+    TouchPoint("torchft.Manager._quorum_future (start_quorum waits for the previous quorum's future first)",
+               "ddp_sync_ft asks for a quorum again after the lighthouse did not answer (a restarted lighthouse)",
+               _quorum_future_waited_first),
 )

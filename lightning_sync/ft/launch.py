@@ -1,7 +1,7 @@
 """``lsync-ft-run``: torchft's lighthouse, R replica groups, and a restart for a group that dies.
 
     lsync-ft-run --replicas R [--min-replicas M] [--max-restarts K] [--nproc-per-replica P]
-                 [--lighthouse HOST:PORT] [--host ADDR] [--group G] -- CMD ...
+                 [--lighthouse HOST:PORT] [--host ADDR] [--group G] [--stopped-timeout S] -- CMD ...
 
 Without ``--lighthouse`` a lighthouse is started in this process, bound to ``--host`` (127.0.0.1 by default:
 one machine); with it, the groups join that one (a lighthouse shared by several machines). ``--group G`` (with
@@ -12,7 +12,9 @@ group (``recipes/launch_slurm_ft.sbatch``). Each group runs
 ``LSYNC_FT_HOST``, a ``MASTER_ADDR``/``MASTER_PORT`` of its own, and (unless set) ``OMP_NUM_THREADS``: the
 machine's cores divided among the processes started here, as Lightning's launcher divides them among its ranks. A group that exits non-zero (or is
 killed) is started again, up to ``K`` times, while the others go on training; torchft's quorum lets it back in
-and heals it from a live peer. The command exits 0 when every group finished with 0, else 1 naming each group
+and heals it from a live peer. A group frozen by SIGSTOP (a process of its session stopped for ``S`` seconds,
+60 by default) is ended and started again the same way: the others dropped it from their quorum long before
+(torchft's timeout and the lighthouse's heartbeat timeout), and it would otherwise keep the run from ending. The command exits 0 when every group finished with 0, else 1 naming each group
 that failed for good and its last cause. SIGINT/SIGTERM end every group (its whole session) and the lighthouse.
 """
 
@@ -45,6 +47,9 @@ class _Group:
     done: bool = False
     failed: bool = False
     fatal: str = ""  # the set-up error it reported, if any
+    stopped_since: float | None = None  # when a process of its session was first seen stopped (SIGSTOP)
+    frozen: str = ""  # why lsync-ft-run ended it, if it did (frozen)
+    checked: float = 0.0  # when its processes' states were last read
 
 
 def _free_port(host: str) -> int:
@@ -85,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="lighthouse: a group silent this long is out of the quorum")
     p.add_argument("--join-timeout-ms", type=int, default=10000,
                    help="lighthouse: how long a quorum waits for groups still sending heartbeats")
+    p.add_argument("--stopped-timeout", type=float, default=60.0,
+                   help="seconds a group's process may stay stopped (SIGSTOP) before the group is ended and "
+                        "restarted (0: never; Linux only)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...: the training command of every group")
     return p
 
@@ -126,6 +134,53 @@ def _spawn(group: _Group, args: argparse.Namespace, lighthouse: str) -> None:
                    "--rdzv-backend=static", f"--master-addr={args.host}", f"--master-port={port}", "--node-rank=0",
                    "--nnodes=1", *command]
     group.process = subprocess.Popen(command, env=env, start_new_session=True)
+
+
+def _stopped_pid(session: int) -> int | None:
+    """A process of session ``session`` in the stopped state (SIGSTOP, SIGTSTP: ``T`` in ``/proc``; not ``t``, a
+    debugger's tracing stop), or None (none, or no ``/proc``: not Linux)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # ended meanwhile
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, session, ...
+        if len(fields) > 3 and fields[3] == str(session).encode() and fields[0] == b"T":
+            return int(entry)
+    return None
+
+
+def _watch_frozen(group: _Group, args: argparse.Namespace) -> None:
+    """End a group that stayed stopped ``--stopped-timeout`` seconds (its whole session: SIGKILL ends a stopped
+    process); the loop then sees it ended and restarts it as after any failure."""
+    now = time.monotonic()
+    if args.stopped_timeout <= 0 or group.process is None or group.frozen or now - group.checked < 1.0:
+        return
+    group.checked = now  # (a look at /proc a second: a few ms)
+    pid = _stopped_pid(group.process.pid)
+    if pid is None:
+        if group.stopped_since is not None:
+            print(f"lsync-ft-run: replica group {group.index} continues", file=sys.stderr, flush=True)
+        group.stopped_since = None
+        return
+    if group.stopped_since is None:
+        group.stopped_since = now
+        print(f"lsync-ft-run: replica group {group.index} is stopped (process {pid}, SIGSTOP); the others train "
+              f"without it; it is ended and restarted in {args.stopped_timeout:g} s unless it continues "
+              "(--stopped-timeout)", file=sys.stderr, flush=True)
+    elif now - group.stopped_since >= args.stopped_timeout:
+        group.frozen = f"stopped (SIGSTOP) for {now - group.stopped_since:.0f} s, ended by lsync-ft-run"
+        try:
+            os.killpg(group.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _stop(groups: list[_Group]) -> None:
@@ -205,11 +260,13 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 code = group.process.poll()
                 if code is None:
+                    _watch_frozen(group, args)
                     continue
                 if code == 0:
                     group.done = True
                     continue
-                group.causes.append(_cause(code))
+                group.causes.append(group.frozen or _cause(code))
+                group.frozen, group.stopped_since = "", None
                 fatal = _fatal(args.fatal_dir, group.index)
                 finished = [g.index for g in groups if g.done]
                 if fatal:  # a set-up error: every life would meet it again, and the others would train without it

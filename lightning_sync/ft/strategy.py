@@ -149,9 +149,7 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
         if trainer is not None and trainer.training:
             # the training data is split across every replica group's ranks; evaluation stays in the group
-            groups = self.replica_group.num_groups
-            kwargs["num_replicas"] = int(kwargs.get("num_replicas", self.world_size)) * groups
-            kwargs["rank"] = self.replica_group.group_id * self.world_size + int(kwargs.get("rank", self.global_rank))
+            kwargs["num_replicas"], kwargs["rank"] = self.data_world_size, self.seed_stream_rank
         return kwargs
 
     def setup_distributed(self) -> None:
@@ -203,8 +201,32 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
 
     def start_quorum(self) -> None:
         """Join the quorum of the next step (torchft's, synchronous: a group that needs recovery is sent a live
-        group's state before this returns)."""
-        self.manager.start_quorum()
+        group's state before this returns). Where the lighthouse gives no quorum within ``quorum_timeout`` (it was
+        restarted: the request in flight was lost; or it cannot be reached), ask again, up to ``max_step_retries``
+        times in a row; the group keeps its state meanwhile."""
+        from lightning_sync._compat.torchft_api import forget_failed_quorum
+
+        manager = self.manager
+        failures = 0
+        while True:
+            try:
+                manager.start_quorum()
+                break
+            except TimeoutError as err:
+                failures += 1
+                seconds = self.quorum_timeout.total_seconds()
+                if failures > self.max_step_retries:
+                    raise LightningSyncError(
+                        f"ddp_sync_ft: replica group {self.replica_group.group_id}: no quorum at step "
+                        f"{manager.current_step()} in {failures} tries of {seconds:.0f} s (quorum_timeout): the "
+                        f"lighthouse {self.replica_group.lighthouse} does not answer ({err}). Check that it runs and "
+                        "is reachable from this machine; raise quorum_timeout or max_step_retries to wait longer."
+                        ) from err
+                log.warning("ddp_sync_ft: replica group %d: no quorum at step %d within %.0f s (quorum_timeout): the "
+                            "lighthouse %s did not answer (restarted, or unreachable); asking again (%d of %d).",
+                            self.replica_group.group_id, manager.current_step(), seconds,
+                            self.replica_group.lighthouse, failures, self.max_step_retries)
+                forget_failed_quorum(manager)
         self._quorum_open = True
 
     def mark_step_boundary(self, trainer: Any) -> None:

@@ -1,11 +1,12 @@
 """A Lightning fit under ``strategy="ddp_sync_ft"`` (one process per replica group), for tests/test_ft.py.
 
-Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--samples 640] [--kill-at S] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--timer] [--batchnorm] [--val]
+Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--samples 640] [--kill-at S [S2 ...]] [--stop-at S] [--ft-timeout SEC] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--timer] [--batchnorm] [--val]
 Without it (the control): python tests/scripts/fit_ft.py --out DIR --control  (Lightning's 2-rank ddp_sync run
 of the same model, seed and data; each rank takes the shard a replica group takes).
 
 An MLP with dropout (``--dropout``, 0.1), momentum SGD, 640 shuffled samples, 16 a group a step. ``--kill-at S``: group 1 SIGKILLs
-itself in its first life in the middle of step S + 1 (before its backward) (lsync-ft-run restarts it; it recovers from group 0), and
+itself in its first life in the middle of step S + 1 (before its backward) (lsync-ft-run restarts it; it recovers from group 0;
+``--kill-at S S2``: in its second life at S2 + 1 too). ``--stop-at S``: group 1 SIGSTOPs itself there instead (frozen), and
 group 0 sleeps ``--alone-sleep`` after each step it trains without every group (so it is still training when group 1 is back).
 Each group appends one JSON line a step to OUT/group<g>.log and one an epoch (its logged epoch means) to
 OUT/group<g>.epochs, and writes OUT/group<g>.pt (weights, state_dict, report) at the end of fit.
@@ -56,13 +57,19 @@ class Model(L.LightningModule):
 
 
 class Steps(L.Callback):
-    def __init__(self, out: Path, group: int, life: int, kill_at: int, alone_sleep: float) -> None:
-        self.out, self.group, self.life, self.kill_at, self.alone_sleep = out, group, life, kill_at, alone_sleep
+    def __init__(self, out: Path, group: int, life: int, kill_at: list[int], alone_sleep: float,
+                 stop_at: int = -1) -> None:
+        self.out, self.group, self.life, self.alone_sleep = out, group, life, alone_sleep
+        self.kill_at = kill_at[life] if life < len(kill_at) else -1
+        self.stop_at = stop_at if life == 0 else -1
+        self.faulty = max(kill_at) >= 0 or stop_at >= 0
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         # mid-step, once the quorum of step kill_at + 1 is formed: group 0 waits in the gradient all-reduce
-        if self.group == 1 and self.life == 0 and trainer.global_step == self.kill_at:
+        if self.group == 1 and trainer.global_step == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.group == 1 and trainer.global_step == self.stop_at:
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen, until lsync-ft-run's --stopped-timeout ends it
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._epoch_means(trainer)
@@ -80,13 +87,13 @@ class Steps(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         report = dict(getattr(trainer.strategy, "ft_report", {}))
         weights = torch.cat([t.detach().flatten() for t in pl_module.parameters()])
-        line = {"life": self.life, "step": trainer.global_step, "epoch": trainer.current_epoch, "batch_idx": batch_idx,
+        line = {"life": self.life, "step": trainer.global_step, "t": time.time(), "epoch": trainer.current_epoch, "batch_idx": batch_idx,
                 "batch": float(batch[1].sum()), "weights": float(weights.double().abs().sum()), **report,
                 **{k: float(trainer.callback_metrics[k]) for k in ("loss", "loss_synced") if k in trainer.callback_metrics}}
         with open(self.out / f"group{self.group}.log", "a") as f:
             f.write(json.dumps(line) + "\n")
         groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
-        if self.group == 0 and 0 < report.get("participants", groups) < groups and self.kill_at >= 0:
+        if self.group == 0 and 0 < report.get("participants", groups) < groups and self.faulty:
             time.sleep(self.alone_sleep)
 
 
@@ -100,7 +107,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--kill-at", type=int, nargs="+", default=[-1], help="group 1's step to die in, a life each")
+    p.add_argument("--stop-at", type=int, default=-1, help="group 1 SIGSTOPs itself in this step (first life)")
+    p.add_argument("--ft-timeout", type=float, default=30.0, help="FaultTolerantDDPStrategy(timeout=)")
+    p.add_argument("--quorum-timeout", type=float, default=120.0, help="FaultTolerantDDPStrategy(quorum_timeout=)")
     p.add_argument("--alone-sleep", type=float, default=0.0)
     p.add_argument("--control", action="store_true")
     p.add_argument("--dropout", type=float, default=0.1)
@@ -126,13 +136,14 @@ def main() -> None:
         devices = 1 if args.invariant else 2
     else:
         group, life = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["LSYNC_FT_RESTART"])
-        strategy = ls.FaultTolerantDDPStrategy(world_size_invariant=True) if args.invariant else "ddp_sync_ft"
+        strategy = ls.FaultTolerantDDPStrategy(world_size_invariant=args.invariant, timeout=args.ft_timeout,
+                                               quorum_timeout=args.quorum_timeout)
         devices = 1
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=args.steps, logger=False,
                         **({"val_check_interval": 10} if args.val else {}),
                         enable_checkpointing=args.ckpt_dir is not None, enable_progress_bar=False,
                         enable_model_summary=False,
-                        callbacks=[Steps(args.out, group, life, args.kill_at, args.alone_sleep)]
+                        callbacks=[Steps(args.out, group, life, args.kill_at, args.alone_sleep, args.stop_at)]
                         + ([L.pytorch.callbacks.ModelCheckpoint(args.ckpt_dir.format(group=group), save_last=True,
                                                                 every_n_train_steps=2)] if args.ckpt_dir else [])
                         + ([L.pytorch.callbacks.EarlyStopping("group_flag", mode="max", stopping_threshold=0.5,

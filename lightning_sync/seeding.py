@@ -285,6 +285,9 @@ class SeedLineage:
             self._pending_rng = states[rank]
         else:
             self._resumed_at = int(state.get("global_step") or 0)
-            log.warning("lightning_sync: the checkpoint was written by %s ranks, this run has %s; per-rank RNG "
-                        "streams cannot continue and start anew as derive_seed(root %s, 'rank', r, 'resumed', step "
-                        "%s).", state.get("world_size"), self.world_size, self.root, self._resumed_at)
+            if rank == 0:
+                log.warning("lightning_sync: the checkpoint was written by %s ranks, this run has %s; each rank's "
+                            "own RNG stream (what the training step draws itself; samples loaded and dropout under "
+                            "world_size_invariant=True are keyed by the sample instead) starts anew as "
+                            "derive_seed(root %s, 'rank', r, 'resumed', step %s).", state.get("world_size"),
+                            self.world_size, self.root, self._resumed_at)

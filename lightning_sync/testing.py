@@ -15,12 +15,14 @@ your code (no layer converted that you did not ask for)::
 Factories are importable callables (a function, or ``"module:name"``; a script's own functions work too): the
 model factory returns the LightningModule, the data factories the *one-process* DataLoaders (``batch_size`` is
 the global batch; each rank takes its slice). Also a command: ``lsync-doctor invariance MODULE:MODEL
-MODULE:TRAIN [MODULE:VAL] [--world-sizes 1,2] [--max-steps 20]``.
+MODULE:TRAIN [MODULE:VAL] [--world-sizes 1,2] [--max-steps 20] [--sync-batchnorm] [--trainer KEY=VALUE ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -28,6 +30,7 @@ import math
 import os
 import pickle
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -125,6 +128,14 @@ def _spec(factory: Factory, what: str) -> str:
         if ":" not in factory:
             raise ValueError(f"check_world_size_invariance: {what}={factory!r}: use 'module:function' (or the "
                              "function itself).")
+        try:  # here, before any run starts: a typo is named in a second, not after every run failed on it
+            found = _resolve(factory)
+        except Exception as err:  # noqa: BLE001 - the user's module: any error it raises on import is theirs
+            raise ValueError(f"check_world_size_invariance: {what}={factory!r} cannot be imported: "
+                             f"{type(err).__name__}: {err}") from err
+        if not callable(found):
+            raise ValueError(f"check_world_size_invariance: {what}={factory!r} is a {type(found).__name__}, not a "
+                             "function returning one.")
         return factory
     module, name = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
     if not callable(factory) or module is None or "<" in name:
@@ -145,20 +156,29 @@ def _launch(out: Path, spec: dict[str, Any], timeout: float) -> list[dict[str, A
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in spec["path"] if p))
     env.pop("LOCAL_RANK", None)
     n = spec["world_size"]
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_sync.testing", "--child", str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run([sys.executable, "-m", "lightning_sync.testing", "--child", str(out)], env=env,
-                              capture_output=True, text=True, timeout=timeout, start_new_session=True)
-        failed = proc.returncode != 0
-        tail = (proc.stderr or proc.stdout)[-3000:]
+        stdout, stderr = proc.communicate(timeout=timeout)
+        problem = f"with exit code {proc.returncode}; its last output:\n{(stderr or stdout)[-3000:]}" \
+            if proc.returncode != 0 else None
     except subprocess.TimeoutExpired:
-        failed, tail = True, f"the {n}-rank run did not finish within {timeout:.0f} s (stopped)"
+        # every process of the run (Lightning's launcher starts the other ranks in this session), not the first only
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        problem = None
     records = []
     for rank in range(n):
         path = out / f"rank{rank}.pkl"
-        records.append(pickle.loads(path.read_bytes()) if path.exists() else {"error": None})
-    errors = [r.get("error") for r in records if r.get("error")]
-    if failed and not errors:
-        records[0]["error"] = f"the {n}-rank run failed:\n{tail}"
+        records.append(pickle.loads(path.read_bytes()) if path.exists() else {})
+    if problem is None and proc.returncode != 0:  # stopped at the timeout
+        unfinished = [rank for rank, rec in enumerate(records) if not rec]
+        problem = (f"it did not finish within {timeout:.0f} s (timeout=), so every process of it was ended; "
+                   f"rank(s) {', '.join(map(str, unfinished))} had not ended their fit: a rank waiting in a collective "
+                   "the others never reach (a hang), or a run slower than the timeout allows")
+    if problem is not None and not any(rec.get("error") for rec in records):
+        records[0] = {**records[0], "error": problem, "whole_run": True}
     return records
 
 
@@ -190,7 +210,8 @@ def compare_runs(runs: dict[int, list[dict[str, Any]]], rtol: float,
     for n, records in runs.items():
         for rank, rec in enumerate(records):
             if rec.get("error"):
-                stopped.setdefault(str(rec["error"]), []).append(f"the {n}-rank run (rank {rank})")
+                where = f"the {n}-rank run" if rec.get("whole_run") else f"the {n}-rank run (rank {rank})"
+                stopped.setdefault(str(rec["error"]), []).append(where)
                 break
     causes = [f"{' and '.join(where)} stopped: {error}" for error, where in stopped.items()]
     if causes:
@@ -248,6 +269,14 @@ def compare_runs(runs: dict[int, list[dict[str, Any]]], rtol: float,
         gaps[n] = gap
     ok = first is None
     causes = [] if ok else _causes(runs, ref_losses)
+    if (not ok and first is not None and "logged metric" in first[1] and not causes
+            and all(g["loss"] <= rtol and g["grad_norm"] <= rtol and g["weights"] <= weights_rtol for g in gaps.values())):
+        causes.append(
+            "every step's loss and gradient norm and the final weights agree; only logged metrics differ, so they come "
+            "from other inputs than the training batches: most often a validation set that draws random numbers "
+            "while loading a sample (augmentation). world_size_invariant=True keys the training set's samples only; "
+            "evaluation samples draw from each rank's own stream. Fix: no random augmentation in the validation "
+            "Dataset, or seed it from the sample's index in __getitem__ (e.g. torch.Generator().manual_seed(i)).")
     if not ok and first is not None and first[0] == 1 << 30:  # only the weights differ: every step agreed
         causes.append(
             f"every step's loss, gradient norm and logged metrics agree within {rtol:g}; only the final weights "
@@ -446,15 +475,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-sizes", default="1,2", help="comma-separated; the first is the reference")
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--rtol", type=float, default=1e-5)
+    parser.add_argument("--weights-rtol", type=float, default=None,
+                        help="the bound for the final weights (default --rtol; Adam-type optimizers: about lr x steps)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    parser.add_argument("--sync-batchnorm", action="store_true", help="Trainer(sync_batchnorm=True)")
+    parser.add_argument("--accelerator", default=None, help="Trainer(accelerator=...) (default cpu)")
+    parser.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE",
+                        help="another Trainer argument (repeatable), e.g. --trainer precision=bf16-mixed "
+                        "--trainer accumulate_grad_batches=2 (VALUE read as a Python literal, else a string)")
     args = parser.parse_args(argv)
     try:
         sizes = tuple(int(s) for s in args.world_sizes.split(","))
     except ValueError:
         parser.error(f"--world-sizes {args.world_sizes!r}: use comma-separated integers, e.g. 1,2")
+    trainer_kwargs: dict[str, Any] = {}
+    for item in args.trainer:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            parser.error(f"--trainer {item!r}: use KEY=VALUE, e.g. --trainer accumulate_grad_batches=2")
+        try:
+            trainer_kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            trainer_kwargs[key] = value
+    if args.sync_batchnorm:
+        trainer_kwargs["sync_batchnorm"] = True
+    if args.accelerator:
+        trainer_kwargs["accelerator"] = args.accelerator
     sys.path.insert(0, os.getcwd())
-    report = check_world_size_invariance(args.model, args.train, args.val, world_sizes=sizes,
-                                         max_steps=args.max_steps, rtol=args.rtol, timeout=args.timeout)
+    try:
+        report = check_world_size_invariance(args.model, args.train, args.val, world_sizes=sizes,
+                                             max_steps=args.max_steps, rtol=args.rtol, weights_rtol=args.weights_rtol,
+                                             timeout=args.timeout, **trainer_kwargs)
+    except ValueError as err:
+        parser.error(str(err))
     print(report)
     return 0 if report.ok else 1
 

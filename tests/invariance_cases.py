@@ -81,3 +81,40 @@ def log_unsynced() -> Model:
 
 def weighted_loader() -> DataLoader:
     return DataLoader(Points(), batch_size=12, sampler=WeightedRandomSampler([1.0] * 203, 203))
+
+
+class _Validated(Model):
+    """Logs a validation loss: the validation set (``val_loader``) draws its augmentation while loading, which is
+    not keyed by the sample (only the training set's samples are)."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.binary_cross_entropy_with_logits(self.net(x).squeeze(-1), y)
+        self.log("val_loss", loss, sync_dist=True)
+
+
+def validated() -> Model:
+    return _Validated()
+
+
+class _HangsOnRank1(Model):
+    """On 2 ranks, rank 1 never reaches its third step (a hang); every rank writes its pid into
+    ``$LSYNC_TEST_PIDS`` first."""
+
+    def on_fit_start(self) -> None:
+        import os
+        from pathlib import Path
+
+        Path(os.environ["LSYNC_TEST_PIDS"], f"{self.trainer.world_size}-{self.global_rank}").write_text(
+            str(os.getpid()))
+
+    def training_step(self, batch, batch_idx):
+        import time
+
+        if self.trainer.world_size == 2 and self.global_rank == 1 and batch_idx == 2:
+            time.sleep(3600)
+        return super().training_step(batch, batch_idx)
+
+
+def hangs_on_rank1() -> Model:
+    return _HangsOnRank1()

@@ -376,6 +376,64 @@ def test_lsync_doctor_invariance_prints_the_report_and_exits_nonzero_on_a_differ
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "world-size invariance: FAILED (1 rank vs 2 ranks)" in proc.stdout
     assert "Trainer(sync_batchnorm=True)" in proc.stdout
+    # Trainer arguments from the command: the BatchNorm is synchronised, validation runs every 3 steps; the
+    # validation set draws its augmentation unkeyed, so only the logged validation loss differs, and is named so
+    proc = subprocess.run([sys.executable, "-m", "lightning_sync.doctor", "invariance", f"{CASES}:validated",
+                           f"{CASES}:train_loader", f"{CASES}:val_loader", "--world-sizes", "1,2", "--max-steps", "6",
+                           "--sync-batchnorm", "--trainer", "val_check_interval=3"],
+                          capture_output=True, text=True, timeout=280, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "logged metric 'val_loss' is " in proc.stdout, proc.stdout
+    assert "only logged metrics differ" in proc.stdout and "validation set" in proc.stdout
+    assert "BatchNorm" not in proc.stdout
+
+
+def test_the_checker_names_a_factory_it_cannot_import_before_any_run() -> None:
+    import subprocess
+    import sys
+
+    from lightning_sync.testing import check_world_size_invariance
+
+    with pytest.raises(ValueError, match="model_factory='tests.invariance_cases:goood' cannot be imported: "
+                                         "AttributeError"):
+        check_world_size_invariance(f"{CASES}:goood", f"{CASES}:train_loader")
+    proc = subprocess.run([sys.executable, "-m", "lightning_sync.doctor", "invariance", "tests.invariance_cases",
+                           f"{CASES}:train_loader"], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[1])
+    assert proc.returncode == 2 and "use 'module:function'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_checker_ends_every_process_of_a_run_that_hangs_and_says_so(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import time
+
+    from lightning_sync.testing import check_world_size_invariance
+
+    monkeypatch.setenv("LSYNC_TEST_PIDS", str(tmp_path))
+    report = check_world_size_invariance(f"{CASES}:hangs_on_rank1", f"{CASES}:train_loader", world_sizes=(1, 2),
+                                         max_steps=6, sync_batchnorm=True, timeout=45)
+    assert not report.ok and report.first_difference == "a run did not complete"
+    assert report.causes == ["the 2-rank run stopped: it did not finish within 45 s (timeout=), so every process of "
+                             "it was ended; rank(s) 0, 1 had not ended their fit: a rank waiting in a collective the "
+                             "others never reach (a hang), or a run slower than the timeout allows"], report
+    pids = {p.name: int(p.read_text()) for p in tmp_path.iterdir()}
+    assert set(pids) == {"1-0", "2-0", "2-1"}
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [name for name, pid in pids.items() if alive(pid)], "a rank of the stopped run is still running"
+    assert os.getpid() not in pids.values()
 
 
 def test_the_checker_refuses_factories_new_processes_cannot_import() -> None:

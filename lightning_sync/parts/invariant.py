@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_sync._compat import lightning_api as _compat
@@ -71,6 +72,8 @@ class WorldSizeInvariantPart(Part):
             loader.plan.resume_at(int(pending["epoch"]), int(pending["batches"]))
         else:
             loader.plan.set_epoch(trainer.current_epoch)
+        if self.loader is None and strategy.global_rank == 0:
+            rank_zero_info(describe_plan(loader.plan))
         self.loader = loader
         return loader
 
@@ -133,6 +136,19 @@ def invariant_loader(dataloader: Any, world_size: int, rank: int, seed: int, roo
         generator=dataloader.generator, prefetch_factor=dataloader.prefetch_factor if workers else None,
         persistent_workers=dataloader.persistent_workers, pin_memory_device=dataloader.pin_memory_device)
 
+
+def describe_plan(plan: GlobalBatchSampler) -> str:
+    """One line for the log: the global batch and how the ranks split it (the mistake it shows: a loader whose
+    ``batch_size`` was divided by the number of ranks, as under ``ddp``, trains a smaller global batch)."""
+    n, g, world = plan.num_samples, plan.batch_size, plan.world_size
+    steps, last = divmod(n, g)
+    rows = [g // world + (1 if r < g % world else 0) for r in range(world)]
+    epoch = (f"{steps} steps an epoch" if not last or plan.drop_last
+             else f"{steps + 1} steps an epoch, the last of {last} rows")
+    return (f"lightning_sync: world_size_invariant=True: global batch {g} (the training DataLoader's batch_size, "
+            f"as one process would train it) split over {world} rank{'s' if world > 1 else ''} "
+            f"({' + '.join(map(str, rows))} rows); {n} samples, {epoch}, shuffle={plan.shuffle}; random numbers "
+            "drawn while loading a sample are keyed by the sample.")
 
 def _shuffle_of(dataloader: DataLoader) -> bool:  # type: ignore[type-arg]
     sampler = getattr(dataloader.batch_sampler, "sampler", None) or dataloader.sampler

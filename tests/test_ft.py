@@ -207,6 +207,7 @@ def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(t
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "replica group 1 ended (killed by SIGKILL); restarting it (restart 1 of 3)" in proc.stderr
     assert "ddp_sync_ft: replica group 1 (life 1) recovers from a live group at step 10 (global step 10)" in proc.stderr
+    assert "BatchNorm layers net.1 compute their batch statistics over this replica group's own rows" in proc.stderr
     first, second = torch.load(tmp_path / "ft" / "group0.pt"), torch.load(tmp_path / "ft" / "group1.pt")
     assert (first["life"], second["life"], first["global_step"], second["global_step"]) == (0, 1, 40, 40)
     assert torch.equal(first["weights"], second["weights"])
@@ -302,8 +303,9 @@ def test_a_frozen_group_stalls_the_others_for_a_timeout_then_is_replaced_and_not
                    ["--steps", "40", "--stop-at", "10", "--ft-timeout", "5", "--alone-sleep", "0.3", "--invariant"],
                    script=FIT, timeout=240)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert re.search(r"replica group 1 is stopped \(process \d+, SIGSTOP\); the others train without it; it is ended "
-                     r"and restarted in 5 s", proc.stderr), proc.stderr[-4000:]
+    assert re.search(r"replica group 1 is stopped \(process \d+, SIGSTOP\); the others wait for it up to torchft's "
+                     r"timeout in a collective they share with it, then train without it; it is ended and restarted "
+                     r"in 5 s", proc.stderr), proc.stderr[-4000:]
     assert ("replica group 1 ended (stopped (SIGSTOP) for 5 s, ended by lsync-ft-run); restarting it (restart 1 of 3)"
             in proc.stderr)
     ends = [torch.load(tmp_path / "ft" / f"group{g}.pt") for g in range(2)]
@@ -337,6 +339,39 @@ def test_a_group_killed_twice_recovers_twice_and_nothing_is_lost(tmp_path: Path)
     assert {r["life"] for r in _steps(tmp_path / "ft", 1)} == {0, 1, 2}
     one_process = _control(tmp_path / "control", "--steps", "40", "--invariant")
     assert torch.allclose(ends[0]["weights"], one_process, rtol=0, atol=1e-5 * one_process.abs().max().item())
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fewer_groups_left_than_min_replicas_end_the_run_at_once(tmp_path: Path) -> None:
+    """--min-replicas 2, --max-restarts 0: group 1 dies for good, so no step can commit again; the run ends then
+    (before, group 0 waited for a quorum max_step_retries x quorum_timeout: 20 minutes), naming why."""
+    start = time.monotonic()
+    proc = _ft_run(tmp_path, ["--replicas", "2", "--min-replicas", "2", "--max-restarts", "0"],
+                   ["--steps", "40", "--kill-at", "10"], script=FIT, timeout=200)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert ("lsync-ft-run: 1 replica group(s) left, fewer than --min-replicas 2: no step can commit any more; ending "
+            "the run") in proc.stderr
+    assert "replica group 0 failed: ended by lsync-ft-run: fewer than --min-replicas 2 groups left" in proc.stderr
+    assert time.monotonic() - start < 120
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_group_restarted_after_the_run_finished_ends_at_once(tmp_path: Path) -> None:
+    """Group 1 killed in step 38 of 40 and slow to restart (8 s): group 0 finishes the run alone; the restarted
+    group finds no live group and the run over, and ends at once (before, it waited quorum_timeout, 120 s, and then
+    told the user to start again from a checkpoint)."""
+    start = time.monotonic()
+    proc = _ft_run(tmp_path, ["--replicas", "2", "--heartbeat-timeout-ms", "1000"],
+                   ["--steps", "40", "--kill-at", "37", "--restart-delay", "8"], script=FIT, timeout=200)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert "(life 1): the run finished while this group was restarting" in proc.stderr, proc.stderr[-4000:]
+    # the group's cause is its error, quoted from its own output
+    assert ("replica group 1 ended (exit code 1: lightning_sync.errors.LightningSyncError: ddp_sync_ft: replica group 1 "
+            "(life 1): the run finished while this group was restarting") in proc.stderr
+    assert ") after group 0 finished the run (its training is complete there); not restarted" in proc.stderr
+    assert torch.load(tmp_path / "group0.pt")["global_step"] == 40
+    assert time.monotonic() - start < 110
 
 def _lighthouse(port: int) -> subprocess.Popen[bytes]:
     exe = Path(sys.executable).parent / "torchft_lighthouse"
@@ -379,7 +414,8 @@ def test_a_restarted_lighthouse_costs_a_quorum_timeout_and_no_group_restarts(tmp
         lighthouse.kill()
         lighthouse.wait()
     assert run.returncode == 0, stderr[-6000:]
-    assert "within 5 s (quorum_timeout): the lighthouse http://127.0.0.1:" in stderr, stderr[-4000:]
+    assert ("within 5 s (quorum_timeout): fewer than min_replicas groups joined, or the lighthouse http://127.0.0.1:"
+            in stderr), stderr[-4000:]
     assert "lsync-ft-run: all 2 replica groups finished\n" in stderr + "\n" and "restarting it" not in stderr
     ends = [torch.load(out / f"group{g}.pt") for g in range(2)]
     assert [end["life"] for end in ends] == [0, 0] and torch.equal(ends[0]["weights"], ends[1]["weights"])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["ReplicaContext", "ReplicaGroup", "replica_context", "report_fatal", "require_torchft"]
+__all__ = ["ReplicaContext", "ReplicaGroup", "replica_context", "report_fatal", "require_torchft", "run_finished"]
 
 ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, ENV_RESTART, ENV_HOST, ENV_MIN = (
     "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE", "LSYNC_FT_RESTART", "LSYNC_FT_HOST",
@@ -40,6 +40,13 @@ def report_fatal(message: str) -> None:
             f.write(message)
     except OSError:
         pass  # the launcher then restarts the group as after any failure, and it refuses again
+
+
+def run_finished() -> bool:
+    """Whether a replica group of this run ended its training with success (``lsync-ft-run`` creates the file
+    ``LSYNC_FT_FINISHED`` names then): a restarted group that finds none ahead of it has nothing left to do."""
+    path = os.environ.get("LSYNC_FT_FINISHED", "")
+    return path != "" and os.path.exists(path)
 
 
 def require_torchft() -> None:

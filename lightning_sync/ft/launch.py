@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -47,6 +49,8 @@ class _Group:
     done: bool = False
     failed: bool = False
     fatal: str = ""  # the set-up error it reported, if any
+    last_error: str = ""  # the last exception line its current life printed
+    reader: threading.Thread | None = None  # copies its standard error to ours
     stopped_since: float | None = None  # when a process of its session was first seen stopped (SIGSTOP)
     frozen: str = ""  # why lsync-ft-run ended it, if it did (frozen)
     checked: float = 0.0  # when its processes' states were last read
@@ -121,7 +125,8 @@ def _spawn(group: _Group, args: argparse.Namespace, lighthouse: str) -> None:
     env = dict(os.environ, REPLICA_GROUP_ID=str(group.index), NUM_REPLICA_GROUPS=str(args.replicas),
                TORCHFT_LIGHTHOUSE=lighthouse, LSYNC_FT_RESTART=str(group.restarts), LSYNC_FT_HOST=args.host,
                LSYNC_FT_MIN_REPLICAS=str(args.min_replicas), MASTER_ADDR=args.host, MASTER_PORT=str(port),
-               LSYNC_FT_FATAL=os.path.join(args.fatal_dir, f"group{group.index}"))
+               LSYNC_FT_FATAL=os.path.join(args.fatal_dir, f"group{group.index}"),
+               LSYNC_FT_FINISHED=os.path.join(args.fatal_dir, "finished"))
     if "OMP_NUM_THREADS" not in env:
         # the machine's cores shared by the processes started here, as Lightning's launcher shares them between
         # the ranks it starts (and as a one-machine ddp run of the same ranks computes: same threads, same sums)
@@ -133,7 +138,33 @@ def _spawn(group: _Group, args: argparse.Namespace, lighthouse: str) -> None:
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_replica}",
                    "--rdzv-backend=static", f"--master-addr={args.host}", f"--master-port={port}", "--node-rank=0",
                    "--nnodes=1", *command]
-    group.process = subprocess.Popen(command, env=env, start_new_session=True)
+    group.process = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    group.last_error = ""
+    reader = threading.Thread(target=_pass_stderr, args=(group, group.process.stderr), daemon=True,
+                              name=f"lsync-ft-run group {group.index} stderr")
+    reader.start()
+    group.reader = reader
+
+
+#: the last line of a Python traceback: ``Type: message`` (behind torchrun's ``[rankN]:`` prefix)
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
+                         r"(?::.*)?)$")
+
+
+def _pass_stderr(group: _Group, stream: Any) -> None:
+    """Copy a group's standard error to ours as it comes, keeping its last exception line (``Type: message``) for
+    the summary: a group's cause is then its error, not only its exit code."""
+    out = getattr(sys.stderr, "buffer", None)
+    for raw in iter(stream.readline, b""):
+        if out is not None:
+            out.write(raw)
+            out.flush()
+        else:
+            sys.stderr.write(raw.decode("utf-8", "replace"))
+        match = _ERROR_LINE.match(raw.decode("utf-8", "replace").rstrip())
+        if match:
+            group.last_error = match.group(1)[:300]
+    stream.close()
 
 
 def _stopped_pid(session: int) -> int | None:
@@ -172,9 +203,10 @@ def _watch_frozen(group: _Group, args: argparse.Namespace) -> None:
         return
     if group.stopped_since is None:
         group.stopped_since = now
-        print(f"lsync-ft-run: replica group {group.index} is stopped (process {pid}, SIGSTOP); the others train "
-              f"without it; it is ended and restarted in {args.stopped_timeout:g} s unless it continues "
-              "(--stopped-timeout)", file=sys.stderr, flush=True)
+        print(f"lsync-ft-run: replica group {group.index} is stopped (process {pid}, SIGSTOP); the others wait for "
+              "it up to torchft's timeout in a collective they share with it, then train without it; it is ended "
+              f"and restarted in {args.stopped_timeout:g} s unless it continues (--stopped-timeout)",
+              file=sys.stderr, flush=True)
     elif now - group.stopped_since >= args.stopped_timeout:
         group.frozen = f"stopped (SIGSTOP) for {now - group.stopped_since:.0f} s, ended by lsync-ft-run"
         try:
@@ -182,6 +214,19 @@ def _watch_frozen(group: _Group, args: argparse.Namespace) -> None:
         except ProcessLookupError:
             pass
 
+
+def _end_below_min_replicas(groups: list[_Group], args: argparse.Namespace) -> None:
+    """Where this lsync-ft-run starts every group: once fewer groups than ``--min-replicas`` are left (those that
+    failed for good are out), no step can commit again; end the others instead of letting them wait for a quorum
+    (``max_step_retries`` x ``quorum_timeout``)."""
+    left = [g for g in groups if not (g.failed or g.done)]
+    if args.group is not None or not left or any(g.done for g in groups) or len(left) >= args.min_replicas:
+        return
+    print(f"lsync-ft-run: {len(left)} replica group(s) left, fewer than --min-replicas {args.min_replicas}: no step "
+          "can commit any more; ending the run", file=sys.stderr, flush=True)
+    for g in left:
+        g.failed = True
+        g.causes.append(f"ended by lsync-ft-run: fewer than --min-replicas {args.min_replicas} groups left")
 
 def _stop(groups: list[_Group]) -> None:
     for group in groups:
@@ -264,10 +309,18 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 if code == 0:
                     group.done = True
+                    # a restarted group waiting for a live one to recover from stops waiting (ft.run_finished)
+                    with open(os.path.join(args.fatal_dir, "finished"), "w"):
+                        pass
                     continue
-                group.causes.append(group.frozen or _cause(code))
+                if group.reader is not None:
+                    group.reader.join(timeout=5)  # its last lines are read before its cause is named
+                fatal = _fatal(args.fatal_dir, group.index)  # (a set-up error: quoted whole in the summary)
+                cause = group.frozen or _cause(code)
+                if group.last_error and not (group.frozen or fatal):
+                    cause += f": {group.last_error}"
+                group.causes.append(cause)
                 group.frozen, group.stopped_since = "", None
-                fatal = _fatal(args.fatal_dir, group.index)
                 finished = [g.index for g in groups if g.done]
                 if fatal:  # a set-up error: every life would meet it again, and the others would train without it
                     group.failed, group.fatal = True, fatal
@@ -281,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                 elif finished:  # the run is over in those groups: a restart would have no live peer to heal from
                     group.failed = True
                     print(f"lsync-ft-run: replica group {group.index} ended ({group.causes[-1]}) after group "
-                          f"{finished[0]} finished the run; not restarted (no live peer to heal from)",
-                          file=sys.stderr, flush=True)
+                          f"{finished[0]} finished the run (its training is complete there); not restarted (no live "
+                          "peer to heal from)", file=sys.stderr, flush=True)
                 elif group.restarts < args.max_restarts:
                     group.restarts += 1
                     print(f"lsync-ft-run: replica group {group.index} ended ({group.causes[-1]}); restarting it "
@@ -293,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                     group.failed = True
                     print(f"lsync-ft-run: replica group {group.index} ended ({group.causes[-1]}) with no restart "
                           f"left ({args.max_restarts} used); the others go on", file=sys.stderr, flush=True)
+                    _end_below_min_replicas(groups, args)
     finally:
         _stop(groups)
         for signum, handler in previous.items():

@@ -34,15 +34,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import PathLike
-from lightning_sync._compat.torch_api import register_buffer_sync_hook
+from lightning_sync._compat.torch_api import BatchNormBase, register_buffer_sync_hook
 from lightning_sync.errors import LightningSyncError
 from lightning_sync.invariance import DropoutStep, current_dropout_step, rerun_dropout_step, set_dropout_step
 from lightning_sync.joining import StepShare
-from lightning_sync.ft import ReplicaContext, ReplicaGroup, replica_context, report_fatal, require_torchft
+from lightning_sync.ft import ReplicaContext, ReplicaGroup, replica_context, report_fatal, require_torchft, run_finished
 from lightning_sync.ft.outputs import (claim_output_dirs, output_dirs, own_checkpoint_paths, release_output_dirs,
                                        run_key)
 from lightning_sync.parts.base import Part
@@ -218,12 +218,14 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                 if failures > self.max_step_retries:
                     raise LightningSyncError(
                         f"ddp_sync_ft: replica group {self.replica_group.group_id}: no quorum at step "
-                        f"{manager.current_step()} in {failures} tries of {seconds:.0f} s (quorum_timeout): the "
-                        f"lighthouse {self.replica_group.lighthouse} does not answer ({err}). Check that it runs and "
-                        "is reachable from this machine; raise quorum_timeout or max_step_retries to wait longer."
+                        f"{manager.current_step()} in {failures} tries of {seconds:.0f} s (quorum_timeout): fewer "
+                        f"than min_replicas={self.min_replicas} groups joined, or the lighthouse "
+                        f"{self.replica_group.lighthouse} does not answer ({err}). Check that it runs and is reachable "
+                        "from this machine; raise quorum_timeout or max_step_retries to wait longer."
                         ) from err
-                log.warning("ddp_sync_ft: replica group %d: no quorum at step %d within %.0f s (quorum_timeout): the "
-                            "lighthouse %s did not answer (restarted, or unreachable); asking again (%d of %d).",
+                log.warning("ddp_sync_ft: replica group %d: no quorum at step %d within %.0f s (quorum_timeout): "
+                            "fewer than min_replicas groups joined, or the lighthouse %s did not answer (restarted, "
+                            "or unreachable); asking again (%d of %d).",
                             self.replica_group.group_id, manager.current_step(), seconds,
                             self.replica_group.lighthouse, failures, self.max_step_retries)
                 forget_failed_quorum(manager)
@@ -420,6 +422,12 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                                f"{self.quorum_timeout.total_seconds():.0f} s (quorum_timeout) for one.")
             while (self._received is None and manager.current_step() == 0
                    and manager.num_participants() < self.replica_group.num_groups and time.monotonic() < deadline):
+                if self.replica_group.restart > 0 and run_finished():
+                    message = (f"ddp_sync_ft: replica group {self.replica_group.group_id} (life "
+                               f"{self.replica_group.restart}): the run finished while this group was restarting "
+                               "(another group ended its fit): nothing is left to train and no live group to recover "
+                               "from. The run's model is the finished groups'.")
+                    raise LightningSyncError(message)  # (lsync-ft-run does not restart it: the run is over)
                 time.sleep(0.2)  # every group of this quorum sees the same count: all of them ask again
                 self.start_quorum()
         finally:
@@ -496,6 +504,23 @@ class _FaultTolerancePart(Part):
 
     def callbacks(self, strategy: Any) -> tuple[Any, ...]:
         return (_StepBoundary(self._strategy),)
+
+    def setup(self, strategy: Any, trainer: Any) -> None:
+        module = strategy.lightning_module
+        groups = self._strategy.replica_group.num_groups
+        if module is None or groups < 2 or trainer is None or trainer.state.fn != "fit":
+            return
+        norms = [name for name, m in module.named_modules() if isinstance(m, BatchNormBase)
+                 and m.training]
+        if norms:
+            invariant = self._strategy.part(WorldSizeInvariantPart) is not None
+            rank_zero_warn(
+                f"ddp_sync_ft: BatchNorm layers {', '.join(norms[:5])}{', ...' if len(norms) > 5 else ''} compute "
+                "their batch statistics over this replica group's own rows (sync_batchnorm=True synchronises the "
+                "processes of a group, not the groups), so training depends on how many groups take part in a step"
+                + (", and world_size_invariant=True does not give the one-process model" if invariant else "")
+                + ". Their running statistics are the quorum's first group's, as ddp's ranks take rank 0's. Use a "
+                "normalisation without batch statistics (LayerNorm, GroupNorm) for that.")
 
     def on_train_start(self, strategy: Any, trainer: Any) -> None:
         if self._strategy._ctx is not None and trainer is not None:

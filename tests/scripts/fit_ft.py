@@ -111,6 +111,7 @@ def main() -> None:
     p.add_argument("--stop-at", type=int, default=-1, help="group 1 SIGSTOPs itself in this step (first life)")
     p.add_argument("--ft-timeout", type=float, default=30.0, help="FaultTolerantDDPStrategy(timeout=)")
     p.add_argument("--quorum-timeout", type=float, default=120.0, help="FaultTolerantDDPStrategy(quorum_timeout=)")
+    p.add_argument("--restart-delay", type=float, default=0.0, help="group 1 sleeps this long in a restarted life")
     p.add_argument("--alone-sleep", type=float, default=0.0)
     p.add_argument("--control", action="store_true")
     p.add_argument("--dropout", type=float, default=0.1)
@@ -127,6 +128,8 @@ def main() -> None:
     p.add_argument("--invariant", action="store_true",
                    help="world_size_invariant=True: the loader's batch is the global one (32); --control runs 1 process")
     args = p.parse_args()
+    if args.restart_delay and os.environ.get("REPLICA_GROUP_ID") == "1" and os.environ.get("LSYNC_FT_RESTART", "0") != "0":
+        time.sleep(args.restart_delay)  # a slow restart: the others may finish the run meanwhile
     if not args.no_seed:
         L.seed_everything(7, verbose=False)
     model = Model(args.dropout, args.batchnorm, args.invariant)

@@ -98,6 +98,11 @@ def check_world_size_invariance(model_factory: Factory, train_data: Factory, val
         timeout: seconds each run may take before it is stopped (a hang is reported, not waited on).
         trainer_kwargs: more ``Trainer`` arguments (default: ``accelerator="cpu"``, no logger, no checkpoints).
     """
+    reserved = sorted(set(trainer_kwargs) & {"devices", "num_nodes", "strategy", "max_steps"})
+    if reserved:
+        raise ValueError(f"check_world_size_invariance: {', '.join(reserved)} are the checker's own (world_sizes= "
+                         "sets the devices, max_steps= the steps; the strategy is SyncDDPStrategy(world_size_invariant="
+                         "True)): drop them from the Trainer arguments.")
     sizes = tuple(int(n) for n in world_sizes)
     if len(sizes) < 2 or min(sizes) < 1:
         raise ValueError(f"check_world_size_invariance: world_sizes={tuple(world_sizes)!r}: give two or more sizes "
@@ -130,7 +135,10 @@ def _spec(factory: Factory, what: str) -> str:
                              "function itself).")
         try:  # here, before any run starts: a typo is named in a second, not after every run failed on it
             found = _resolve(factory)
-        except Exception as err:  # noqa: BLE001 - the user's module: any error it raises on import is theirs
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:  # noqa: BLE001 - the user's module: whatever it raises (a SystemExit of
+            # a parse_args() at its top level too) is named here, not taken for this program's exit
             raise ValueError(f"check_world_size_invariance: {what}={factory!r} cannot be imported: "
                              f"{type(err).__name__}: {err}") from err
         if not callable(found):
@@ -166,12 +174,16 @@ def _launch(out: Path, spec: dict[str, Any], timeout: float) -> list[dict[str, A
         # every process of the run (Lightning's launcher starts the other ranks in this session), not the first only
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # (a process of its own session may hold the pipes)
+            proc.communicate(timeout=10)
         problem = None
     records = []
     for rank in range(n):
         path = out / f"rank{rank}.pkl"
-        records.append(pickle.loads(path.read_bytes()) if path.exists() else {})
+        try:
+            records.append(pickle.loads(path.read_bytes()) if path.exists() else {})
+        except Exception:  # noqa: BLE001 - a record cut short: that rank did not finish
+            records.append({})
     if problem is None and proc.returncode != 0:  # stopped at the timeout
         unfinished = [rank for rank, rec in enumerate(records) if not rec]
         problem = (f"it did not finish within {timeout:.0f} s (timeout=), so every process of it was ended; "
@@ -273,10 +285,12 @@ def compare_runs(runs: dict[int, list[dict[str, Any]]], rtol: float,
             and all(g["loss"] <= rtol and g["grad_norm"] <= rtol and g["weights"] <= weights_rtol for g in gaps.values())):
         causes.append(
             "every step's loss and gradient norm and the final weights agree; only logged metrics differ, so they come "
-            "from other inputs than the training batches: most often a validation set that draws random numbers "
-            "while loading a sample (augmentation). world_size_invariant=True keys the training set's samples only; "
-            "evaluation samples draw from each rank's own stream. Fix: no random augmentation in the validation "
-            "Dataset, or seed it from the sample's index in __getitem__ (e.g. torch.Generator().manual_seed(i)).")
+            "from other inputs than the training batches, or are reduced over ranks in a way of your own: most often "
+            "a validation set that draws random numbers while loading a sample (augmentation; world_size_invariant="
+            "True keys the training set's samples only, evaluation samples draw from each rank's own stream), else a "
+            "value kept or reduced per rank (a sync_dist reduction other than the mean, state of your own). Fix: no "
+            "random augmentation in the validation Dataset, or seed it from the sample's index in __getitem__ (e.g. "
+            "torch.Generator().manual_seed(i)); log sample means with sync_dist=True or torchmetrics.")
     if not ok and first is not None and first[0] == 1 << 30:  # only the weights differ: every step agreed
         causes.append(
             f"every step's loss, gradient norm and logged metrics agree within {rtol:g}; only the final weights "
@@ -353,7 +367,11 @@ def _resolve(spec: str) -> Any:
             assert loaded is not None and loaded.loader is not None
             module = importlib.util.module_from_spec(loaded)
             sys.modules[module_name] = module
-            loaded.loader.exec_module(module)
+            try:
+                loaded.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]  # a later call (the file fixed) runs it again
+                raise
     else:
         module = importlib.import_module(target)
     obj: Any = module
@@ -456,7 +474,9 @@ def _child(out: Path) -> int:
         record["error"] = f"{type(err).__name__}: {err}"
         traceback.print_exc()
         code = 1
-    (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(record))
+    tmp = out / f"rank{rank}.pkl.tmp"
+    tmp.write_bytes(pickle.dumps(record))
+    os.replace(tmp, out / f"rank{rank}.pkl")  # whole or not at all: a rank killed while writing leaves no record
     return code
 
 
@@ -493,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
         key, sep, value = item.partition("=")
         if not sep or not key.isidentifier():
             parser.error(f"--trainer {item!r}: use KEY=VALUE, e.g. --trainer accumulate_grad_batches=2")
+        if key in ("seed", "rtol", "weights_rtol", "timeout", "world_sizes", "val_data"):
+            option = f" (--{key.replace('_', '-')})" if key in ("rtol", "weights_rtol", "timeout", "world_sizes") else ""
+            parser.error(f"--trainer {item!r}: {key} is not a Trainer argument but the checker's own{option}.")
         try:
             trainer_kwargs[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):

@@ -21,6 +21,7 @@ that failed for good and its last cause. SIGINT/SIGTERM end every group (its who
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -49,11 +50,17 @@ class _Group:
     done: bool = False
     failed: bool = False
     fatal: str = ""  # the set-up error it reported, if any
-    last_error: str = ""  # the last exception line its current life printed
-    reader: threading.Thread | None = None  # copies its standard error to ours
-    stopped_since: float | None = None  # when a process of its session was first seen stopped (SIGSTOP)
+    stopped_since: float | None = None  # when a process of it was first seen stopped (SIGSTOP)
     frozen: str = ""  # why lsync-ft-run ended it, if it did (frozen)
-    checked: float = 0.0  # when its processes' states were last read
+    life: _Life | None = None  # its current life's standard error, as read so far
+    reader: threading.Thread | None = None  # copies that standard error to ours
+
+
+@dataclass
+class _Life:
+    """One life of a group: the last exception line it printed (only its own reader thread writes here)."""
+
+    last_error: str = ""
 
 
 def _free_port(host: str) -> int:
@@ -139,11 +146,21 @@ def _spawn(group: _Group, args: argparse.Namespace, lighthouse: str) -> None:
                    "--rdzv-backend=static", f"--master-addr={args.host}", f"--master-port={port}", "--node-rank=0",
                    "--nnodes=1", *command]
     group.process = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE)
-    group.last_error = ""
-    reader = threading.Thread(target=_pass_stderr, args=(group, group.process.stderr), daemon=True,
+    group.life = _Life()
+    reader = threading.Thread(target=_pass_stderr, args=(group.life, group.process.stderr), daemon=True,
                               name=f"lsync-ft-run group {group.index} stderr")
     reader.start()
     group.reader = reader
+
+
+def _end_life(group: _Group) -> None:
+    """After a group's process ended: end what is left of that life (its DataLoader workers, ranks it started in
+    its process group) and read its standard error to the end."""
+    if group.process is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group.process.pid, signal.SIGKILL)
+    if group.reader is not None:
+        group.reader.join(timeout=5)
 
 
 #: the last line of a Python traceback: ``Type: message`` (behind torchrun's ``[rankN]:`` prefix)
@@ -151,29 +168,40 @@ _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\
                          r"(?::.*)?)$")
 
 
-def _pass_stderr(group: _Group, stream: Any) -> None:
+#: exception lines that are not a group's cause: torchrun's summary of a rank's failure (the rank's own error came
+#: before it), a write to a pipe closed meanwhile
+_NOT_A_CAUSE = ("ChildFailedError", "BrokenPipeError")
+
+
+def _pass_stderr(life: _Life, stream: Any) -> None:
     """Copy a group's standard error to ours as it comes, keeping its last exception line (``Type: message``) for
-    the summary: a group's cause is then its error, not only its exit code."""
+    the summary: a group's cause is then its error, not only its exit code. Our own standard error failing (a
+    closed pipe, the interpreter's shutdown) does not stop the copy: the group's pipe is drained to its end, so
+    the group never blocks writing to it."""
     out = getattr(sys.stderr, "buffer", None)
     for raw in iter(stream.readline, b""):
-        if out is not None:
-            out.write(raw)
-            out.flush()
-        else:
-            sys.stderr.write(raw.decode("utf-8", "replace"))
+        try:
+            if out is not None:
+                out.write(raw)
+                out.flush()
+            else:
+                sys.stderr.write(raw.decode("utf-8", "replace"))
+                sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
         match = _ERROR_LINE.match(raw.decode("utf-8", "replace").rstrip())
-        if match:
-            group.last_error = match.group(1)[:300]
+        if match and not any(name in match.group(1) for name in _NOT_A_CAUSE):
+            life.last_error = match.group(1)[:300]
     stream.close()
 
 
-def _stopped_pid(session: int) -> int | None:
-    """A process of session ``session`` in the stopped state (SIGSTOP, SIGTSTP: ``T`` in ``/proc``; not ``t``, a
-    debugger's tracing stop), or None (none, or no ``/proc``: not Linux)."""
+def _process_table() -> dict[int, tuple[int, bytes]] | None:
+    """Every process's ``pid: (parent pid, state)`` (one read of ``/proc``), or None without ``/proc`` (not Linux)."""
     try:
         entries = os.listdir("/proc")
     except OSError:
         return None
+    table: dict[int, tuple[int, bytes]] = {}
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -182,20 +210,44 @@ def _stopped_pid(session: int) -> int | None:
                 stat = f.read()
         except OSError:
             continue  # ended meanwhile
-        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, session, ...
-        if len(fields) > 3 and fields[3] == str(session).encode() and fields[0] == b"T":
-            return int(entry)
-    return None
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        if len(fields) > 1:
+            table[int(entry)] = (int(fields[1]), fields[0])
+    return table
 
 
-def _watch_frozen(group: _Group, args: argparse.Namespace) -> None:
-    """End a group that stayed stopped ``--stopped-timeout`` seconds (its whole session: SIGKILL ends a stopped
-    process); the loop then sees it ended and restarts it as after any failure."""
-    now = time.monotonic()
-    if args.stopped_timeout <= 0 or group.process is None or group.frozen or now - group.checked < 1.0:
+def _tree(root: int, table: dict[int, tuple[int, bytes]]) -> list[int]:
+    """``root`` and its descendants (torchrun starts each rank in a session of its own: by parent, not session)."""
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table:
+            tree.append(pid)
+            todo.extend(children.get(pid, ()))
+    return tree
+
+
+def _watch_frozen(groups: list[_Group], args: argparse.Namespace) -> None:
+    """End a group of which a process stayed stopped ``--stopped-timeout`` seconds (SIGSTOP, SIGTSTP: ``T`` in
+    ``/proc``; not ``t``, a debugger's tracing stop), with every process of it (SIGKILL ends a stopped process);
+    the loop then sees it ended and restarts it as after any failure. One read of ``/proc`` for every group."""
+    running = [g for g in groups if g.process is not None and not (g.frozen or g.done or g.failed)
+               and g.process.poll() is None]
+    table = _process_table() if args.stopped_timeout > 0 and running else None
+    if table is None:
         return
-    group.checked = now  # (a look at /proc a second: a few ms)
-    pid = _stopped_pid(group.process.pid)
+    for group in running:
+        assert group.process is not None
+        tree = _tree(group.process.pid, table)
+        _frozen_or_not(group, args, next((pid for pid in tree if table[pid][1] == b"T"), None), tree)
+
+
+def _frozen_or_not(group: _Group, args: argparse.Namespace, pid: int | None, tree: list[int]) -> None:
+    assert group.process is not None
+    now = time.monotonic()
     if pid is None:
         if group.stopped_since is not None:
             print(f"lsync-ft-run: replica group {group.index} continues", file=sys.stderr, flush=True)
@@ -209,10 +261,11 @@ def _watch_frozen(group: _Group, args: argparse.Namespace) -> None:
               file=sys.stderr, flush=True)
     elif now - group.stopped_since >= args.stopped_timeout:
         group.frozen = f"stopped (SIGSTOP) for {now - group.stopped_since:.0f} s, ended by lsync-ft-run"
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(group.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for other in tree:  # (torchrun's ranks, in sessions of their own)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(other, signal.SIGKILL)
 
 
 def _end_below_min_replicas(groups: list[_Group], args: argparse.Namespace) -> None:
@@ -298,27 +351,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for group in groups:
             _spawn(group, args, lighthouse)
+        looked = time.monotonic()
         while not stopping and not all(g.done or g.failed for g in groups):
             time.sleep(POLL_S)
+            if time.monotonic() - looked >= 1.0:  # (a look at /proc a second: a few ms)
+                looked = time.monotonic()
+                _watch_frozen(groups, args)
             for group in groups:
                 if group.done or group.failed or group.process is None:
                     continue
                 code = group.process.poll()
                 if code is None:
-                    _watch_frozen(group, args)
                     continue
                 if code == 0:
+                    if group.reader is not None:
+                        group.reader.join(timeout=5)  # its last lines, before the summary
                     group.done = True
                     # a restarted group waiting for a live one to recover from stops waiting (ft.run_finished)
                     with open(os.path.join(args.fatal_dir, "finished"), "w"):
                         pass
                     continue
-                if group.reader is not None:
-                    group.reader.join(timeout=5)  # its last lines are read before its cause is named
+                _end_life(group)  # its leftovers ended, its last lines read before its cause is named
                 fatal = _fatal(args.fatal_dir, group.index)  # (a set-up error: quoted whole in the summary)
                 cause = group.frozen or _cause(code)
-                if group.last_error and not (group.frozen or fatal):
-                    cause += f": {group.last_error}"
+                last_error = group.life.last_error if group.life is not None else ""
+                if last_error and not (group.frozen or fatal):
+                    cause += f": {last_error}"
                 group.causes.append(cause)
                 group.frozen, group.stopped_since = "", None
                 finished = [g.index for g in groups if g.done]
@@ -349,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
                     _end_below_min_replicas(groups, args)
     finally:
         _stop(groups)
+        for group in groups:
+            if group.reader is not None:
+                group.reader.join(timeout=2)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if server is not None:

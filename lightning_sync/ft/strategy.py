@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 #: the ``ckpt_path`` a restarted replica group's ``fit`` gets: the checkpoint comes from a live group
 FT_PEER = "torchft:live-replica-group"
 _REPORT_KEY = "lightning_sync_ft"  # in the checkpoint a recovering group is sent: the run's counts
+_QUORUM_RETRIES = 2  # a quorum asked for again after quorum_timeout (a restarted lighthouse lost the request)
 
 
 class _LivePeerCheckpoint(str):
@@ -202,8 +203,9 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
     def start_quorum(self) -> None:
         """Join the quorum of the next step (torchft's, synchronous: a group that needs recovery is sent a live
         group's state before this returns). Where the lighthouse gives no quorum within ``quorum_timeout`` (it was
-        restarted: the request in flight was lost; or it cannot be reached), ask again, up to ``max_step_retries``
-        times in a row; the group keeps its state meanwhile."""
+        restarted: the request in flight was lost; or fewer than ``min_replicas`` groups are left), ask again, up to
+        twice (``_QUORUM_RETRIES``): a lost request costs one ``quorum_timeout``, a quorum that cannot form three;
+        the group keeps its state meanwhile. Where another group has finished the run meanwhile, stop."""
         from lightning_sync._compat.torchft_api import forget_failed_quorum
 
         manager = self.manager
@@ -215,19 +217,24 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
             except TimeoutError as err:
                 failures += 1
                 seconds = self.quorum_timeout.total_seconds()
-                if failures > self.max_step_retries:
+                if run_finished():
+                    raise LightningSyncError(
+                        f"ddp_sync_ft: replica group {self.replica_group.group_id} (life {self.replica_group.restart}):"
+                        " no quorum, and another group has finished the run meanwhile: nothing is left to train "
+                        "with it. The run's model is the finished groups'.") from err
+                if failures > _QUORUM_RETRIES:
                     raise LightningSyncError(
                         f"ddp_sync_ft: replica group {self.replica_group.group_id}: no quorum at step "
                         f"{manager.current_step()} in {failures} tries of {seconds:.0f} s (quorum_timeout): fewer "
                         f"than min_replicas={self.min_replicas} groups joined, or the lighthouse "
                         f"{self.replica_group.lighthouse} does not answer ({err}). Check that it runs and is reachable "
-                        "from this machine; raise quorum_timeout or max_step_retries to wait longer."
+                        "from this machine, and how many groups are alive; raise quorum_timeout to wait longer."
                         ) from err
                 log.warning("ddp_sync_ft: replica group %d: no quorum at step %d within %.0f s (quorum_timeout): "
                             "fewer than min_replicas groups joined, or the lighthouse %s did not answer (restarted, "
                             "or unreachable); asking again (%d of %d).",
                             self.replica_group.group_id, manager.current_step(), seconds,
-                            self.replica_group.lighthouse, failures, self.max_step_retries)
+                            self.replica_group.lighthouse, failures, _QUORUM_RETRIES)
                 forget_failed_quorum(manager)
         self._quorum_open = True
 

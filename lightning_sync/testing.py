@@ -98,11 +98,11 @@ def check_world_size_invariance(model_factory: Factory, train_data: Factory, val
         timeout: seconds each run may take before it is stopped (a hang is reported, not waited on).
         trainer_kwargs: more ``Trainer`` arguments (default: ``accelerator="cpu"``, no logger, no checkpoints).
     """
-    reserved = sorted(set(trainer_kwargs) & {"devices", "num_nodes", "strategy", "max_steps"})
+    reserved = sorted(set(trainer_kwargs) & {"devices", "num_nodes", "strategy"})
     if reserved:
-        raise ValueError(f"check_world_size_invariance: {', '.join(reserved)} are the checker's own (world_sizes= "
-                         "sets the devices, max_steps= the steps; the strategy is SyncDDPStrategy(world_size_invariant="
-                         "True)): drop them from the Trainer arguments.")
+        raise ValueError(f"check_world_size_invariance: Trainer argument(s) {', '.join(reserved)} are the checker's "
+                         "own (world_sizes= sets the devices of each run on one node; the strategy is "
+                         "SyncDDPStrategy(world_size_invariant=True)): drop them.")
     sizes = tuple(int(n) for n in world_sizes)
     if len(sizes) < 2 or min(sizes) < 1:
         raise ValueError(f"check_world_size_invariance: world_sizes={tuple(world_sizes)!r}: give two or more sizes "

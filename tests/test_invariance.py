@@ -403,8 +403,8 @@ def test_the_checker_names_a_factory_it_cannot_import_before_any_run() -> None:
                            f"{CASES}:train_loader"], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).parents[1])
     assert proc.returncode == 2 and "use 'module:function'" in proc.stderr and "Traceback" not in proc.stderr
-    with pytest.raises(ValueError, match="devices, max_steps are the checker's own"):
-        check_world_size_invariance(f"{CASES}:good", f"{CASES}:train_loader", devices=2, max_steps=3)
+    with pytest.raises(ValueError, match=r"Trainer argument\(s\) devices, strategy are the checker's own"):
+        check_world_size_invariance(f"{CASES}:good", f"{CASES}:train_loader", devices=2, strategy="ddp")
     proc = subprocess.run([sys.executable, "-m", "lightning_sync.doctor", "invariance", f"{CASES}:good",
                            f"{CASES}:train_loader", "--trainer", "timeout=3"], capture_output=True, text=True,
                           timeout=120, cwd=Path(__file__).parents[1])

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import pickle
@@ -509,12 +510,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--world-sizes {args.world_sizes!r}: use comma-separated integers, e.g. 1,2")
     trainer_kwargs: dict[str, Any] = {}
+    checker_own = set(inspect.signature(check_world_size_invariance).parameters) - {"trainer_kwargs"}
     for item in args.trainer:
         key, sep, value = item.partition("=")
         if not sep or not key.isidentifier():
             parser.error(f"--trainer {item!r}: use KEY=VALUE, e.g. --trainer accumulate_grad_batches=2")
-        if key in ("seed", "rtol", "weights_rtol", "timeout", "world_sizes", "val_data"):
-            option = f" (--{key.replace('_', '-')})" if key in ("rtol", "weights_rtol", "timeout", "world_sizes") else ""
+        if key in checker_own:
+            option = f" (--{key.replace('_', '-')})" if key in vars(args) else ""  # (an option of this command)
             parser.error(f"--trainer {item!r}: {key} is not a Trainer argument but the checker's own{option}.")
         try:
             trainer_kwargs[key] = ast.literal_eval(value)

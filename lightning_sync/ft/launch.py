@@ -12,7 +12,7 @@ group (``recipes/launch_slurm_ft.sbatch``). Each group runs
 ``LSYNC_FT_HOST``, a ``MASTER_ADDR``/``MASTER_PORT`` of its own, and (unless set) ``OMP_NUM_THREADS``: the
 machine's cores divided among the processes started here, as Lightning's launcher divides them among its ranks. A group that exits non-zero (or is
 killed) is started again, up to ``K`` times, while the others go on training; torchft's quorum lets it back in
-and heals it from a live peer. A group frozen by SIGSTOP (a process of its session stopped for ``S`` seconds,
+and heals it from a live peer. A group frozen by SIGSTOP (a process of it stopped for ``S`` seconds,
 60 by default) is ended and started again the same way: the others dropped it from their quorum long before
 (torchft's timeout and the lighthouse's heartbeat timeout), and it would otherwise keep the run from ending. The command exits 0 when every group finished with 0, else 1 naming each group
 that failed for good and its last cause. SIGINT/SIGTERM end every group (its whole session) and the lighthouse.
@@ -133,7 +133,7 @@ def _spawn(group: _Group, args: argparse.Namespace, lighthouse: str) -> None:
                TORCHFT_LIGHTHOUSE=lighthouse, LSYNC_FT_RESTART=str(group.restarts), LSYNC_FT_HOST=args.host,
                LSYNC_FT_MIN_REPLICAS=str(args.min_replicas), MASTER_ADDR=args.host, MASTER_PORT=str(port),
                LSYNC_FT_FATAL=os.path.join(args.fatal_dir, f"group{group.index}"),
-               LSYNC_FT_FINISHED=os.path.join(args.fatal_dir, "finished"))
+               LSYNC_FT_FINISHED=args.finished)
     if "OMP_NUM_THREADS" not in env:
         # the machine's cores shared by the processes started here, as Lightning's launcher shares them between
         # the ranks it starts (and as a one-machine ddp run of the same ranks computes: same threads, same sums)
@@ -271,7 +271,7 @@ def _frozen_or_not(group: _Group, args: argparse.Namespace, pid: int | None, tre
 def _end_below_min_replicas(groups: list[_Group], args: argparse.Namespace) -> None:
     """Where this lsync-ft-run starts every group: once fewer groups than ``--min-replicas`` are left (those that
     failed for good are out), no step can commit again; end the others instead of letting them wait for a quorum
-    (``max_step_retries`` x ``quorum_timeout``)."""
+    (three ``quorum_timeout`` s, then an error)."""
     left = [g for g in groups if not (g.failed or g.done)]
     if args.group is not None or not left or any(g.done for g in groups) or len(left) >= args.min_replicas:
         return
@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     groups = [_Group(i) for i in indices]
     args.local_processes = len(groups) * args.nproc_per_replica
     args.fatal_dir = tempfile.mkdtemp(prefix="lsync_ft_")  # a group's set-up error, written by report_fatal
+    args.finished = os.path.join(args.fatal_dir, "finished")  # created once a group finished (ft.run_finished)
     stopping: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                         group.reader.join(timeout=5)  # its last lines, before the summary
                     group.done = True
                     # a restarted group waiting for a live one to recover from stops waiting (ft.run_finished)
-                    with open(os.path.join(args.fatal_dir, "finished"), "w"):
+                    with open(args.finished, "w"):
                         pass
                     continue
                 _end_life(group)  # its leftovers ended, its last lines read before its cause is named

@@ -218,10 +218,7 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                 failures += 1
                 seconds = self.quorum_timeout.total_seconds()
                 if run_finished():
-                    raise LightningSyncError(
-                        f"ddp_sync_ft: replica group {self.replica_group.group_id} (life {self.replica_group.restart}):"
-                        " no quorum, and another group has finished the run meanwhile: nothing is left to train "
-                        "with it. The run's model is the finished groups'.") from err
+                    raise self._run_over("no quorum, and another group has finished the run meanwhile") from err
                 if failures > _QUORUM_RETRIES:
                     raise LightningSyncError(
                         f"ddp_sync_ft: replica group {self.replica_group.group_id}: no quorum at step "
@@ -237,6 +234,13 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                             self.replica_group.lighthouse, failures, _QUORUM_RETRIES)
                 forget_failed_quorum(manager)
         self._quorum_open = True
+
+    def _run_over(self, why: str) -> LightningSyncError:
+        """The error of a group that finds the run finished by another group (``lsync-ft-run``'s
+        ``LSYNC_FT_FINISHED``): nothing is left for it to train."""
+        return LightningSyncError(
+            f"ddp_sync_ft: replica group {self.replica_group.group_id} (life {self.replica_group.restart}): {why}: "
+            "nothing is left to train. The run's model is the finished groups'.")
 
     def mark_step_boundary(self, trainer: Any) -> None:
         """Keep the position entries of the checkpoint this group would write now (loops, data position, RNG
@@ -429,12 +433,9 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                                f"{self.quorum_timeout.total_seconds():.0f} s (quorum_timeout) for one.")
             while (self._received is None and manager.current_step() == 0
                    and manager.num_participants() < self.replica_group.num_groups and time.monotonic() < deadline):
-                if self.replica_group.restart > 0 and run_finished():
-                    message = (f"ddp_sync_ft: replica group {self.replica_group.group_id} (life "
-                               f"{self.replica_group.restart}): the run finished while this group was restarting "
-                               "(another group ended its fit): nothing is left to train and no live group to recover "
-                               "from. The run's model is the finished groups'.")
-                    raise LightningSyncError(message)  # (lsync-ft-run does not restart it: the run is over)
+                if self.replica_group.restart > 0 and run_finished():  # (lsync-ft-run does not restart it)
+                    raise self._run_over("the run finished while this group was restarting (another group ended its "
+                                         "fit); no live group to recover from")
                 time.sleep(0.2)  # every group of this quorum sees the same count: all of them ask again
                 self.start_quorum()
         finally:

@@ -72,7 +72,7 @@ class WorldSizeInvariantPart(Part):
             loader.plan.resume_at(int(pending["epoch"]), int(pending["batches"]))
         else:
             loader.plan.set_epoch(trainer.current_epoch)
-        if self.loader is None and strategy.global_rank == 0:
+        if self.loader is None:
             rank_zero_info(describe_plan(loader.plan))
         self.loader = loader
         return loader
@@ -140,15 +140,13 @@ def invariant_loader(dataloader: Any, world_size: int, rank: int, seed: int, roo
 def describe_plan(plan: GlobalBatchSampler) -> str:
     """One line for the log: the global batch and how the ranks split it (the mistake it shows: a loader whose
     ``batch_size`` was divided by the number of ranks, as under ``ddp``, trains a smaller global batch)."""
-    n, g, world = plan.num_samples, plan.batch_size, plan.world_size
-    steps, last = divmod(n, g)
-    rows = [g // world + (1 if r < g % world else 0) for r in range(world)]
-    epoch = (f"{steps} steps an epoch" if not last or plan.drop_last
-             else f"{steps + 1} steps an epoch, the last of {last} rows")
+    n, g, world, last = plan.num_samples, plan.batch_size, plan.world_size, plan.num_samples % plan.batch_size
+    epoch = f"{len(plan)} steps an epoch" + (f", the last of {last} rows" if last and not plan.drop_last else "")
     return (f"lightning_sync: world_size_invariant=True: global batch {g} (the training DataLoader's batch_size, "
             f"as one process would train it) split over {world} rank{'s' if world > 1 else ''} "
-            f"({' + '.join(map(str, rows))} rows); {n} samples, {epoch}, shuffle={plan.shuffle}; random numbers "
-            "drawn while loading a sample are keyed by the sample.")
+            f"({' + '.join(map(str, plan.sizes(0)))} rows); {n} samples, {epoch}, shuffle={plan.shuffle}; random "
+            "numbers drawn while loading a sample are keyed by the sample.")
+
 
 def _shuffle_of(dataloader: DataLoader) -> bool:  # type: ignore[type-arg]
     sampler = getattr(dataloader.batch_sampler, "sampler", None) or dataloader.sampler

@@ -1,8 +1,10 @@
 """A replica group dies mid-run; the other keeps training and the restarted one recovers from it (torchft).
 
     lsync-ft-run --replicas 2 --min-replicas 2 -- python recipes/fault_tolerant_ddp.py --kill-at 8
+    lsync-ft-run --replicas 2 --min-replicas 2 --nproc-per-replica 2 -- python recipes/fault_tolerant_ddp.py --kill-at 8
 
-Each replica group is one ordinary Lightning process (`devices=1`) under `strategy="ddp_sync_ft"`; lsync-ft-run
+Each replica group is one ordinary Lightning run under `strategy="ddp_sync_ft"`: one process (`devices=1`), or the
+P processes torchrun starts with `--nproc-per-replica P` (`devices=P`, read from torchrun's LOCAL_WORLD_SIZE); lsync-ft-run
 (`pip install "lightning_sync[ft]"`) starts torchft's lighthouse on loopback and the groups, and restarts a group
 that dies. `--kill-at S`: group 1 kills itself (SIGKILL) once, in the middle of step S + 1. Group 0's step is not committed,
 so it runs it again once group 1 is back; group 1's `fit` (no `ckpt_path`) is restored from group 0's
@@ -62,12 +64,15 @@ def main() -> None:
     x = torch.randn(960, 16, generator=g)
     data = TensorDataset(x, torch.sin(x.sum(-1)))
     model = Regressor()
-    trainer = L.Trainer(strategy="ddp_sync_ft", accelerator="cpu", devices=1, max_steps=args.max_steps,
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's, under --nproc-per-replica; else 1
+    trainer = L.Trainer(strategy="ddp_sync_ft", accelerator="cpu", devices=devices, max_steps=args.max_steps,
                         callbacks=[KillOnce(args.kill_at)], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(data, batch_size=16, shuffle=True))
     report = trainer.strategy.ft_report
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
+    if trainer.global_rank != 0:
+        return  # (one line a group: its processes hold the same weights)
     print(f"replica group {os.environ['REPLICA_GROUP_ID']} (life {os.environ['LSYNC_FT_RESTART']}): step "
           f"{trainer.global_step}, weights checksum {weights.abs().sum().item():.10f}, committed "
           f"{report['committed']}, run again {report['redone']}, missing shards {report['missing_shards']}, "

@@ -85,7 +85,7 @@ class ReplicaGroup:
 
 @dataclass
 class ReplicaContext:
-    """torchft's ``Manager`` of this replica group and what it needs kept alive (the group's store)."""
+    """torchft's ``Manager`` of this process and what it needs kept alive (the group's store, on its rank 0)."""
 
     group: ReplicaGroup
     manager: Any
@@ -100,13 +100,19 @@ class ReplicaContext:
 def replica_context(state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None], *,
                     min_replica_size: int = 1, timeout: timedelta = timedelta(seconds=30),
                     quorum_timeout: timedelta = timedelta(seconds=120), use_async_quorum: bool = True,
-                    init_sync: bool = True, group: ReplicaGroup | None = None) -> ReplicaContext:
-    """torchft's ``Manager`` for this one-process replica group: its own TCP store and manager server on the
-    group's host (``LSYNC_FT_HOST``, loopback by default), torchft's gloo process group across groups, and the
-    recovery state sent over that process group (no HTTP server). ``state_dict`` / ``load_state_dict``: what a
-    restarted group takes from a live peer (the weights, the optimizer state, and anything else that must be
-    equal: a step counter, the data position). ``init_sync``: torchft's (groups at step 0 take the weights of
-    one of them; ``False`` where every group builds the same weights from one seed)."""
+                    init_sync: bool = True, group: ReplicaGroup | None = None, rank: int = 0, world_size: int = 1,
+                    share_port: Callable[[int | None], int] | None = None) -> ReplicaContext:
+    """torchft's ``Manager`` for this process of its replica group: the group's TCP store and manager server on the
+    group's host (``LSYNC_FT_HOST``, loopback by default), kept by the group's rank 0, torchft's gloo process group
+    across groups (rank ``r`` of every group in one ring), and the recovery state sent over that process group (no
+    HTTP server: rank ``r`` of a recovering group is sent rank ``r``'s state of a live one). ``state_dict`` /
+    ``load_state_dict``: what a restarted group takes from a live peer (the weights, the optimizer state, and
+    anything else that must be equal: a step counter, the data position). ``init_sync``: torchft's (groups at step
+    0 take the weights of one of them; ``False`` where every group builds the same weights from one seed).
+
+    ``rank`` / ``world_size``: this process's within its group (several processes: ``torchrun`` under
+    ``lsync-ft-run --nproc-per-replica``); ``share_port``: with several, a collective over the group that takes
+    the store's port from rank 0 (which passes it; the others pass None) to every rank."""
     require_torchft()
     import torch
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
@@ -117,19 +123,29 @@ def replica_context(state_dict: Callable[[], dict[str, Any]], load_state_dict: C
 
     quiet_manager_log()
     group = group or ReplicaGroup.from_env()
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind((group.host, 0))
-    listener.listen(128)
-    port = listener.getsockname()[1]
-    # a TCPStore server listens on every interface unless handed a socket already bound
-    store = TCPStore(group.host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno())
+    if world_size > 1 and share_port is None:
+        raise ValueError(f"replica_context(world_size={world_size}): give share_port, the group's exchange of the "
+                         "store's port.")
+    kept: tuple[Any, Any] | None = None
+    port: int | None = None
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((group.host, 0))
+        listener.listen(128)
+        port = int(listener.getsockname()[1])
+        # a TCPStore server listens on every interface unless handed a socket already bound
+        kept = (TCPStore(group.host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno()),
+                listener)
+    if share_port is not None:
+        port = share_port(port)
+    assert port is not None
     pg = ProcessGroupGloo(timeout=timeout)
     transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
     with manager_server_bound_to(group.host):
         manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
                           min_replica_size=min_replica_size, use_async_quorum=use_async_quorum, timeout=timeout,
                           init_sync=init_sync,
-                          quorum_timeout=quorum_timeout, connect_timeout=timeout, rank=0, world_size=1,
+                          quorum_timeout=quorum_timeout, connect_timeout=timeout, rank=rank, world_size=world_size,
                           store_addr=group.host, store_port=port, lighthouse_addr=group.lighthouse,
                           replica_id=f"replica_{group.group_id}", hostname=group.host, checkpoint_transport=transport)
-    return ReplicaContext(group=group, manager=manager, store=(store, listener))
+    return ReplicaContext(group=group, manager=manager, store=kept)

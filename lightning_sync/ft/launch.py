@@ -58,9 +58,43 @@ class _Group:
 
 @dataclass
 class _Life:
-    """One life of a group: the last exception line it printed (only its own reader thread writes here)."""
+    """One life of a group: the last exception line it printed, and under torchrun each rank's and the rank whose
+    failure torchrun observed first (only the group's own reader thread writes here)."""
 
     last_error: str = ""
+    rank_errors: dict[int, str] = field(default_factory=dict)
+    unprefixed_error: str = ""  # the last one without torchrun's ``[rankN]:`` (raised before the process group)
+    first_failure: tuple[int, int] | None = None  # torchrun's root cause: (rank, exit code; negative: a signal)
+    _root: dict[str, int] | None = None  # torchrun's root-cause block, as it is read (None: not in one)
+
+    def cause(self) -> str:
+        """What ended this life, as read from its standard error ("" where nothing was): the failure torchrun
+        observed first (a rank killed by a signal, or that rank's own exception), else the last exception line."""
+        if self.first_failure is None:
+            return self.last_error
+        rank, code = self.first_failure
+        if code < 0:
+            return f"its rank {rank} was {_cause(code)} first"
+        own = self.rank_errors.get(rank) or self.unprefixed_error
+        return f"its rank {rank} failed first ({_cause(code)}{': ' + own if own else ''})"
+
+    def read(self, line: str) -> None:
+        """Take one line of the group's standard error."""
+        match = _ERROR_LINE.match(line)
+        if match and not any(name in match.group(2) for name in _NOT_A_CAUSE):
+            self.last_error = match.group(2)[:300]
+            if match.group(1) is not None:
+                self.rank_errors[int(match.group(1))] = self.last_error
+            else:
+                self.unprefixed_error = self.last_error
+        if "Root Cause (first observed failure)" in line:
+            self._root = {}
+            return
+        found = _ROOT_FIELD.match(line)
+        if found is not None and self._root is not None and self.first_failure is None:
+            self._root[found.group(1)] = int(found.group(2))
+            if "exitcode" in self._root and "rank" in self._root:
+                self.first_failure = (self._root["rank"], self._root["exitcode"])
 
 
 def _free_port(host: str) -> int:
@@ -144,7 +178,7 @@ def _spawn(group: _Group, args: argparse.Namespace, lighthouse: str) -> None:
     if args.nproc_per_replica > 1:
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_replica}",
                    "--rdzv-backend=static", f"--master-addr={args.host}", f"--master-port={port}", "--node-rank=0",
-                   "--nnodes=1", *command]
+                   "--nnodes=1", "--no-python", *command]  # (CMD is a command: python train.py, not a script)
     group.process = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE)
     group.life = _Life()
     reader = threading.Thread(target=_pass_stderr, args=(group.life, group.process.stderr), daemon=True,
@@ -164,13 +198,15 @@ def _end_life(group: _Group) -> None:
 
 
 #: the last line of a Python traceback: ``Type: message`` (behind torchrun's ``[rankN]:`` prefix)
-_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
+_ERROR_LINE = re.compile(r"^(?:\[rank(\d+)\]: (?=\S))?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
                          r"(?::.*)?)$")
 
 
 #: exception lines that are not a group's cause: torchrun's summary of a rank's failure (the rank's own error came
 #: before it), a write to a pipe closed meanwhile
 _NOT_A_CAUSE = ("ChildFailedError", "BrokenPipeError")
+#: a field of torchrun's summary of a failed rank (``rank      : 1 (local_rank: 1)``, ``exitcode  : -9 (pid: 42)``)
+_ROOT_FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)\b")
 
 
 def _pass_stderr(life: _Life, stream: Any) -> None:
@@ -189,9 +225,7 @@ def _pass_stderr(life: _Life, stream: Any) -> None:
                 sys.stderr.flush()
         except (OSError, ValueError):
             pass
-        match = _ERROR_LINE.match(raw.decode("utf-8", "replace").rstrip())
-        if match and not any(name in match.group(1) for name in _NOT_A_CAUSE):
-            life.last_error = match.group(1)[:300]
+        life.read(raw.decode("utf-8", "replace").rstrip())
     stream.close()
 
 
@@ -375,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                 _end_life(group)  # its leftovers ended, its last lines read before its cause is named
                 fatal = _fatal(args.fatal_dir, group.index)  # (a set-up error: quoted whole in the summary)
                 cause = group.frozen or _cause(code)
-                last_error = group.life.last_error if group.life is not None else ""
+                last_error = group.life.cause() if group.life is not None else ""
                 if last_error and not (group.frozen or fatal):
                     cause += f": {last_error}"
                 group.causes.append(cause)

@@ -1,20 +1,23 @@
 """``FaultTolerantDDPStrategy`` (``"ddp_sync_ft"``): ``ddp_sync`` in each replica group, torchft across them.
 
-Each replica group is one ordinary Lightning process (``devices=1``) started by ``lsync-ft-run``. Across
-the groups, torchft's ``Manager`` decides every step who takes part:
+Each replica group is an ordinary Lightning run started by ``lsync-ft-run``: one process (``devices=1``), or
+``P`` processes under ``torchrun`` (``--nproc-per-replica P``, ``devices=P``: DDP inside the group). Across the
+groups, torchft's ``Manager`` (one per process: rank ``r`` of every group forms one of torchft's rings) decides
+every step who takes part:
 
 - a quorum of the live groups is formed at the start of each step (the first one before Lightning restores
   anything); a group recovering in it is sent the checkpoint this group would have written at the end of the
   previous step;
 - DDP's gradient buckets are averaged over the quorum through torchft's reconfigurable process group (a
-  DDP communication hook that waits for torchft's all-reduce);
+  DDP communication hook: the group's own all-reduce of the bucket, then torchft's across the groups, waited
+  for);
 - the optimizer steps only if torchft commits the step (``should_commit``); a step it does not commit (a
   group was lost in it) is run again on the same batch, with the same random numbers, by the groups of a new
   quorum;
 - a group restarted by ``lsync-ft-run`` (``LSYNC_FT_RESTART`` > 0) resumes from a live group, not from a
   file: its ``fit`` without ``ckpt_path`` joins a quorum first, torchft sends it the Lightning checkpoint of
-  a live group at that step boundary (weights, optimizer, loops, data position, RNG states) and Lightning
-  restores it as it restores a file.
+  a live group at that step boundary (weights, optimizer, loops, data position, RNG states; rank ``r``'s to
+  rank ``r``) and Lightning restores it as it restores a file.
 
 The training data is split across groups (group ``g`` of ``R`` reads shard ``g``); the shards of groups
 missing from a step are not trained in that step. They are counted (``trainer.strategy.ft_report``, the
@@ -35,6 +38,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import PathLike
@@ -46,6 +50,7 @@ from lightning_sync.ft import ReplicaContext, ReplicaGroup, replica_context, rep
 from lightning_sync.ft.outputs import (claim_output_dirs, output_dirs, own_checkpoint_paths, release_output_dirs,
                                        run_key)
 from lightning_sync.parts.base import Part
+from lightning_sync.parts.checkpoint import CheckpointStatePart
 from lightning_sync.parts.invariant import WorldSizeInvariantPart
 from lightning_sync.parts.uneven import UnevenBatchPart
 from lightning_sync.seeding import CHECKPOINT_KEY, _collect_rng_state, _restore_rng_state
@@ -75,7 +80,9 @@ class _LivePeerCheckpoint(str):
 class FaultTolerantDDPStrategy(SyncDDPStrategy):
     """``SyncDDPStrategy`` in each replica group, and torchft across the groups: a lost group stops nothing
     (the others go on at the next step) and a restarted one resumes from a live group. Run under
-    ``lsync-ft-run --replicas R -- python train.py`` with ``Trainer(strategy="ddp_sync_ft", devices=1)``.
+    ``lsync-ft-run --replicas R -- python train.py`` with ``Trainer(strategy="ddp_sync_ft", devices=1)``, or with
+    ``P`` processes a group, ``lsync-ft-run --replicas R --nproc-per-replica P -- python train.py`` with
+    ``devices=P``.
 
     Accepts every :class:`~lightning_sync.SyncDDPStrategy` argument (a ``seed`` every group knows is required:
     pass ``seed=`` or call ``seed_everything``), plus:
@@ -155,11 +162,6 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        if self.world_size != 1:
-            raise LightningSyncError(
-                f"ddp_sync_ft runs one process per replica group (this group has {self.world_size}): pass "
-                "Trainer(devices=1, num_nodes=1) and start R groups with lsync-ft-run --replicas R. Several "
-                "processes per group (--nproc-per-replica) are not supported by the strategy yet.")
         lineage = self.seed_lineage
         if lineage is not None and lineage.origin == "entropy":
             raise LightningSyncError(
@@ -171,10 +173,18 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         if self._ctx is None and trainer is not None and trainer.state.fn == "fit":
             self._ctx = replica_context(self._state_for_peer, self._load_from_peer, min_replica_size=self.min_replicas,
                                         timeout=self.ft_timeout, quorum_timeout=self.quorum_timeout,
-                                        use_async_quorum=False, init_sync=False, group=self.replica_group)
+                                        use_async_quorum=False, init_sync=False, group=self.replica_group,
+                                        rank=self.global_rank, world_size=self.world_size,
+                                        share_port=self._share_store_port if self.world_size > 1 else None)
             peer = self._peer_checkpoint
             if peer is not None and peer.outcome == "pending":
                 self._join(peer)
+
+    def _share_store_port(self, port: int | None) -> int:
+        """The group's store port, from its rank 0 to every rank (one broadcast over the group)."""
+        shared = super().broadcast(port, src=0)
+        assert isinstance(shared, int)
+        return shared
 
     @property
     def manager(self) -> Any:
@@ -227,13 +237,28 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                         f"{self.replica_group.lighthouse} does not answer ({err}). Check that it runs and is reachable "
                         "from this machine, and how many groups are alive; raise quorum_timeout to wait longer."
                         ) from err
-                log.warning("ddp_sync_ft: replica group %d: no quorum at step %d within %.0f s (quorum_timeout): "
+                log.warning("ddp_sync_ft: replica group %d, process %d: no quorum at step %d within %.0f s "
+                            "(quorum_timeout): "
                             "fewer than min_replicas groups joined, or the lighthouse %s did not answer (restarted, "
                             "or unreachable); asking again (%d of %d).",
-                            self.replica_group.group_id, manager.current_step(), seconds,
+                            self.replica_group.group_id, self.global_rank, manager.current_step(), seconds,
                             self.replica_group.lighthouse, failures, _QUORUM_RETRIES)
                 forget_failed_quorum(manager)
         self._quorum_open = True
+
+    def _group_agrees(self, flag: bool) -> tuple[bool, bool]:
+        """Whether every process of this group says ``flag``, and whether some does: one all-reduce over the group
+        (a group of one process: its own ``flag``, no collective). Where the processes could decide apart (each
+        has its own clock and its own torchft ring), they act on what they agree."""
+        if self.world_size == 1:
+            return flag, flag
+        both = torch.tensor([float(flag), -float(flag)], device=self.root_device)
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
+        return bool(-both[1].item() > 0.5), bool(both[0].item() > 0.5)
+
+    def _group_first(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every process of this group (one broadcast; a group of one process: ``value``)."""
+        return value if self.world_size == 1 else super().broadcast(value, src=0)
 
     def _run_over(self, why: str) -> LightningSyncError:
         """The error of a group that finds the run finished by another group (``lsync-ft-run``'s
@@ -249,9 +274,18 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         boundary: dict[str, Any] = {"epoch": trainer.current_epoch, "global_step": trainer.global_step,
                                     "loops": _compat.loops_state(trainer),
                                     "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
-        for p in self.parts:
-            p.on_save_checkpoint(self, boundary, None)
+        self._parts_entries(boundary)
         self._boundary = boundary
+
+    def _parts_entries(self, checkpoint: dict[str, Any]) -> None:
+        """The parts' entries of a checkpoint a recovering group is sent, this process's alone: its RNG state and
+        loader position in its own slot, no gather over the group (rank ``r`` of the recovering group is sent rank
+        ``r``'s checkpoint; and this runs every step, or in torchft's quorum thread)."""
+        for p in self.parts:
+            if isinstance(p, CheckpointStatePart):
+                p.own_state(self, checkpoint)
+            else:
+                p.on_save_checkpoint(self, checkpoint, None)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
@@ -279,18 +313,20 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
             self._own_share = _OwnShare(batch, uneven.current, current_dropout_step())
         own = self._own_share
         manager = self.manager
-        participants, rank = manager.num_participants(), manager.participating_rank()
-        if participants >= self.replica_group.num_groups or rank is None or participants < 1:
+        participants, participant = manager.num_participants(), manager.participating_rank()
+        if participants >= self.replica_group.num_groups or participant is None or participants < 1:
             uneven.current = own.share
             if own.dropout is not None:
                 own.dropout.calls.clear()  # (a step run again: the same masks from the first call)
             set_dropout_step(own.dropout)
             return own.batch
         plan = loader.plan
-        share = plan.share(step, participants, rank)
+        # the live groups' processes split the global batch: process r of participant p is rank p * P + r of them
+        world, rank = participants * self.world_size, participant * self.world_size + self.global_rank
+        share = plan.share(step, world, rank)
         uneven.current = share if share.applies else None
-        set_dropout_step(plan.dropout_step(step, self.seed or 0, participants, rank))
-        return self.batch_to_device(loader.load(plan.rows_among(step, participants, rank)))
+        set_dropout_step(plan.dropout_step(step, self.seed or 0, world, rank))
+        return self.batch_to_device(loader.load(plan.rows_among(step, world, rank)))
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._ctx is None:
@@ -316,7 +352,15 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                     logged.put_back()  # the epoch's logged means: this step's values counted once
                 healed = self.ft_report["healed"]
                 self.start_quorum()
-                if self.ft_report["healed"] > healed:
+                caught_up = self.ft_report["healed"] > healed
+                every, some = self._group_agrees(caught_up)
+                if some and not every:
+                    raise LightningSyncError(
+                        f"ddp_sync_ft: replica group {self.replica_group.group_id}: some of its processes took the "
+                        "live groups' state at this step and some did not (a transfer failed on one of torchft's "
+                        "rings: see torchft's log lines above); the group stops so that lsync-ft-run restarts it "
+                        "whole, and it recovers from a live group.")
+                if caught_up:
                     # the others committed this step without this group: it took their weights and optimizer
                     # state (``_load_from_peer``); the quorum just joined is their next step's, and this one's
                     self.ft_report["caught_up"] += 1
@@ -339,8 +383,9 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                     f"committed {failures} times in a row (fewer than min_replicas={self.min_replicas} groups "
                     "alive, or the all-reduce keeps failing); see torchft's log lines above. Raise "
                     "max_step_retries, or lower min_replicas.")
-            log.warning("ddp_sync_ft: replica group %d: step %d not committed (a group was lost during it); running "
-                        "it again on the same batch.", self.replica_group.group_id, manager.current_step())
+            if self.global_rank == 0:  # (the group's processes decide alike: once a group)
+                log.warning("ddp_sync_ft: replica group %d: step %d not committed (a group was lost during it); "
+                            "running it again on the same batch.", self.replica_group.group_id, manager.current_step())
         self.ft_report["committed"] += 1
         self.ft_report["participants"] = participants
         missing = self.replica_group.num_groups - participants
@@ -358,8 +403,9 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         if self._ctx is None or _compat.called_from_model_checkpoint(sys._getframe(1)):
             return decision
         votes = torch.tensor([float(decision), 1.0], dtype=torch.float64)
-        if not self.manager.allreduce(votes, reduce_op=torch.distributed.ReduceOp.SUM).wait() or self.manager.errored():
-            return decision  # a group was lost meanwhile: the next step's quorum deals with it
+        done = bool(self.manager.allreduce(votes, reduce_op=torch.distributed.ReduceOp.SUM).wait())
+        if not self._group_agrees(done and self.manager.errored() is None)[0]:
+            return decision  # a group was lost meanwhile (seen by a process of this one): the next quorum deals with it
         yes, voters = float(votes[0]), float(votes[1])
         return yes == voters if all else yes > 0
 
@@ -375,8 +421,8 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                 or _compat.called_from_model_checkpoint(sys._getframe(1))):
             return obj
         decided = _from_first_group(self, torch.tensor([float(obj)], dtype=torch.float64))
-        if decided is None:
-            return obj  # a group was lost meanwhile: the next step's quorum deals with it
+        if not self._group_agrees(decided is not None)[0] or decided is None:
+            return obj  # a group was lost meanwhile (seen by a process of this one): the next quorum deals with it
         return bool(decided.item() > 0.5)
 
     def _state_for_peer(self) -> dict[str, Any]:
@@ -390,8 +436,7 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         if self._boundary:  # weights and optimizer state are as they were at the boundary: no step since
             checkpoint.update(self._boundary)
         else:
-            for p in self.parts:
-                p.on_save_checkpoint(self, checkpoint, None)
+            self._parts_entries(checkpoint)
         # the run's counts go on in the recovering group
         checkpoint[_REPORT_KEY] = {k: self.ft_report[k] for k in ("missing_shards", "taken_over")}
         return checkpoint
@@ -431,11 +476,18 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                 rank_zero_info(f"ddp_sync_ft: replica group {self.replica_group.group_id} (life "
                                f"{self.replica_group.restart}) found no live group ahead of it; waiting up to "
                                f"{self.quorum_timeout.total_seconds():.0f} s (quorum_timeout) for one.")
-            while (self._received is None and manager.current_step() == 0
-                   and manager.num_participants() < self.replica_group.num_groups and time.monotonic() < deadline):
-                if self.replica_group.restart > 0 and run_finished():  # (lsync-ft-run does not restart it)
-                    raise self._run_over("the run finished while this group was restarting (another group ended its "
-                                         "fit); no live group to recover from")
+            while True:
+                waiting = (self._received is None and manager.current_step() == 0
+                           and manager.num_participants() < self.replica_group.num_groups
+                           and time.monotonic() < deadline)
+                over = waiting and self.replica_group.restart > 0 and run_finished()  # (not restarted then)
+                # one decision for the group's processes (rank 0's clock): they ask for each quorum together
+                waiting, over = self._group_first((waiting, over))
+                if over:
+                    raise self._run_over("the run finished while this group was restarting (another group ended "
+                                         "its fit); no live group to recover from")
+                if not waiting:
+                    break
                 time.sleep(0.2)  # every group of this quorum sees the same count: all of them ask again
                 self.start_quorum()
         finally:
@@ -581,12 +633,17 @@ class _StepBoundary(pl.Callback):
 
 
 def _replica_allreduce_hook(strategy: FaultTolerantDDPStrategy, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-    """DDP's gradient bucket averaged over the replica groups of this step's quorum.
+    """DDP's gradient bucket averaged over the replica groups of this step's quorum: over the group's processes
+    first (DDP's own all-reduce, where the group has several), then across the groups (torchft's, between the
+    processes of one rank in every group), so each bucket ends as the mean over every live process.
 
     torchft's own hook hands DDP torchft's future, which aborts the surviving process when a peer is lost in the
     middle of the all-reduce (torchft 0.2.0); waiting here and handing DDP a completed future lets the failure
     surface where it belongs, in ``should_commit``."""
     buffer = bucket.buffer()
+    if strategy.world_size > 1:
+        group: Any = torch.distributed.group.WORLD  # (the group's processes: DDP's own process group)
+        allreduce_hook(group, bucket).wait()  # (their mean, in place: DDP's default hook)
     strategy.manager.allreduce(buffer).wait()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
@@ -615,19 +672,27 @@ def _from_first_group(strategy: FaultTolerantDDPStrategy, tensor: torch.Tensor) 
 
 
 def _replica_buffer_broadcast(strategy: FaultTolerantDDPStrategy, buffers: dict[str, torch.Tensor]) -> None:
-    """DDP's buffer sync across the replica groups of the current quorum, where DDP makes it (before a training
-    forward, and before the first evaluation forward after training): every group takes the buffers of the
-    quorum's first group, as DDP's ranks take rank 0's. One torchft all-reduce of the buffers' bytes (the first
-    group sends them, the others zeros: the byte-wise sum is the first group's bytes, whatever the dtypes); where
-    the quorum fails meanwhile, the buffers are left as they are (the step is not committed and is run again)."""
+    """DDP's buffer sync, where DDP makes it (before a training forward, and before the first evaluation forward
+    after training): inside the group, rank 0's buffers to every process (DDP's own broadcast, where the group has
+    several); then across the replica groups of the current quorum, every group takes the buffers of the quorum's
+    first group, as DDP's ranks take rank 0's. One torchft all-reduce of the buffers' bytes (the first group sends
+    them, the others zeros: the byte-wise sum is the first group's bytes, whatever the dtypes); where the quorum
+    fails meanwhile, the buffers are the group's (the step is not committed and is run again)."""
+    if not buffers:
+        return
     trainer = _compat.attached_trainer(getattr(strategy, "lightning_module", None))
-    if strategy._ctx is None or not buffers or trainer is None or trainer.sanity_checking:
-        return  # (a restarted group's sanity check runs alone: the others are training)
+    # (a restarted group's sanity check runs alone: the others are training)
+    across = strategy._ctx is not None and trainer is not None and not trainer.sanity_checking
+    if strategy.world_size == 1 and not across:
+        return
     tensors = list(buffers.values())
     views = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    wire = _from_first_group(strategy, torch.cat(views))  # bytes: one all-reduce whatever the dtypes
-    if wire is None:
-        return
+    wire = torch.cat(views)  # bytes: one collective whatever the dtypes
+    if strategy.world_size > 1:
+        torch.distributed.broadcast(wire, src=0)
+    decided = _from_first_group(strategy, wire) if across else None
+    if decided is not None:
+        wire = decided
     offset = 0
     for t, v in zip(tensors, views):
         t.copy_(wire[offset:offset + v.numel()].clone().view(t.dtype).view(t.shape))  # (clone: aligned for t.dtype)

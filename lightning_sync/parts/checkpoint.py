@@ -62,6 +62,24 @@ class CheckpointStatePart(Part):
             checkpoint[CHECKPOINT_KEY] = state
             stash_loader_states(checkpoint, state)  # Lightning's own strategies can resume the file too
 
+    def own_state(self, strategy: Any, checkpoint: dict[str, Any]) -> None:
+        """The entry of a one-file checkpoint for this rank alone, without the gather: its RNG state and loader
+        position in its own slot of the per-rank lists (the others' slots None). For a checkpoint that goes to one
+        process, rank ``r``'s to rank ``r`` (``ddp_sync_ft``'s recovery from a live replica group), where a
+        collective is out of place (every step, or another thread)."""
+        seed = strategy.part(SeedLineagePart)
+        if seed is None or seed.lineage is None:
+            return
+        payload = ResumeHooks.loader_payload(checkpoint) if strategy.part(ResumableDataPart) is not None else None
+        mine = seed.lineage.rank_state(payload)
+        state = seed.lineage.shared_state(checkpoint.get("global_step"))
+        rank, world_size = strategy.global_rank, strategy.world_size
+        state["rng_states"] = [mine["rng_state"] if r == rank else None for r in range(world_size)]
+        if payload is not None:
+            state["loader_states"] = [payload if r == rank else None for r in range(world_size)]
+        checkpoint[CHECKPOINT_KEY] = state
+        stash_loader_states(checkpoint, state)
+
     def after_save_checkpoint(self, strategy: Any, directory: Path | None) -> None:
         # After the strategy's save (its path broadcast came after rank 0 cleared the directory): each rank
         # writes its own file.

@@ -1,15 +1,18 @@
-"""A Lightning fit under ``strategy="ddp_sync_ft"`` (one process per replica group), for tests/test_ft.py.
+"""A Lightning fit under ``strategy="ddp_sync_ft"`` (a process per replica group, or P under
+``lsync-ft-run --nproc-per-replica P``: ``devices=P``), for tests/test_ft.py.
 
 Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--samples 640] [--kill-at S [S2 ...]] [--stop-at S] [--ft-timeout SEC] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--timer] [--batchnorm] [--val]
-Without it (the control): python tests/scripts/fit_ft.py --out DIR --control  (Lightning's 2-rank ddp_sync run
-of the same model, seed and data; each rank takes the shard a replica group takes).
+Without it (the control): python tests/scripts/fit_ft.py --out DIR --control [--control-devices N] (Lightning's
+2-rank (N-rank) ddp_sync run of the same model, seed and data; each rank takes the shard a replica group's
+process takes: rank g * P + r that of group g's process r).
 
 An MLP with dropout (``--dropout``, 0.1), momentum SGD, 640 shuffled samples, 16 a group a step. ``--kill-at S``: group 1 SIGKILLs
 itself in its first life in the middle of step S + 1 (before its backward) (lsync-ft-run restarts it; it recovers from group 0;
 ``--kill-at S S2``: in its second life at S2 + 1 too). ``--stop-at S``: group 1 SIGSTOPs itself there instead (frozen), and
 group 0 sleeps ``--alone-sleep`` after each step it trains without every group (so it is still training when group 1 is back).
 Each group appends one JSON line a step to OUT/group<g>.log and one an epoch (its logged epoch means) to
-OUT/group<g>.epochs, and writes OUT/group<g>.pt (weights, state_dict, report) at the end of fit.
+OUT/group<g>.epochs, and writes OUT/group<g>.pt (weights, state_dict, report) at the end of fit; a group's
+process r > 0 writes OUT/group<g>r<r>.* instead. ``--kill-rank R``: which process of group 1 dies (0).
 """
 
 from __future__ import annotations
@@ -58,17 +61,19 @@ class Model(L.LightningModule):
 
 class Steps(L.Callback):
     def __init__(self, out: Path, group: int, life: int, kill_at: list[int], alone_sleep: float,
-                 stop_at: int = -1) -> None:
+                 stop_at: int = -1, rank: int = 0, kill_rank: int = 0) -> None:
         self.out, self.group, self.life, self.alone_sleep = out, group, life, alone_sleep
+        self.name = f"group{group}" if rank == 0 else f"group{group}r{rank}"
+        self.dies = group == 1 and rank == kill_rank
         self.kill_at = kill_at[life] if life < len(kill_at) else -1
         self.stop_at = stop_at if life == 0 else -1
         self.faulty = max(kill_at) >= 0 or stop_at >= 0
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         # mid-step, once the quorum of step kill_at + 1 is formed: group 0 waits in the gradient all-reduce
-        if self.group == 1 and trainer.global_step == self.kill_at:
+        if self.dies and trainer.global_step == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.group == 1 and trainer.global_step == self.stop_at:
+        if self.dies and trainer.global_step == self.stop_at:
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen, until lsync-ft-run's --stopped-timeout ends it
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -81,7 +86,7 @@ class Steps(L.Callback):
         if "loss_mean" in trainer.callback_metrics:
             line = {"epoch_end": trainer.current_epoch, "life": self.life,
                     **{k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith("ft/")}}
-            with open(self.out / f"group{self.group}.epochs", "a") as f:
+            with open(self.out / f"{self.name}.epochs", "a") as f:
                 f.write(json.dumps(line) + "\n")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -90,7 +95,7 @@ class Steps(L.Callback):
         line = {"life": self.life, "step": trainer.global_step, "t": time.time(), "epoch": trainer.current_epoch, "batch_idx": batch_idx,
                 "batch": float(batch[1].sum()), "weights": float(weights.double().abs().sum()), **report,
                 **{k: float(trainer.callback_metrics[k]) for k in ("loss", "loss_synced") if k in trainer.callback_metrics}}
-        with open(self.out / f"group{self.group}.log", "a") as f:
+        with open(self.out / f"{self.name}.log", "a") as f:
             f.write(json.dumps(line) + "\n")
         groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
         if self.group == 0 and 0 < report.get("participants", groups) < groups and self.faulty:
@@ -114,6 +119,8 @@ def main() -> None:
     p.add_argument("--restart-delay", type=float, default=0.0, help="group 1 sleeps this long in a restarted life")
     p.add_argument("--alone-sleep", type=float, default=0.0)
     p.add_argument("--control", action="store_true")
+    p.add_argument("--control-devices", type=int, default=2, help="the control's ranks (without --invariant)")
+    p.add_argument("--kill-rank", type=int, default=0, help="the process of group 1 that --kill-at/--stop-at stop")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (running statistics: buffers)")
     p.add_argument("--val", action="store_true", help="a validation loader, every 10 steps (val_loss, sync_dist)")
@@ -134,19 +141,20 @@ def main() -> None:
         L.seed_everything(7, verbose=False)
     model = Model(args.dropout, args.batchnorm, args.invariant)
     if args.control:
-        group, life = int(os.environ.get("LOCAL_RANK", "0")), 0
+        group, life, rank = int(os.environ.get("LOCAL_RANK", "0")), 0, 0
         strategy: object = ls.SyncDDPStrategy(world_size_invariant=args.invariant)
-        devices = 1 if args.invariant else 2
+        devices = 1 if args.invariant else args.control_devices
     else:
         group, life = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["LSYNC_FT_RESTART"])
         strategy = ls.FaultTolerantDDPStrategy(world_size_invariant=args.invariant, timeout=args.ft_timeout,
                                                quorum_timeout=args.quorum_timeout)
-        devices = 1
+        devices, rank = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))  # torchrun's
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=args.steps, logger=False,
                         **({"val_check_interval": 10} if args.val else {}),
                         enable_checkpointing=args.ckpt_dir is not None, enable_progress_bar=False,
                         enable_model_summary=False,
-                        callbacks=[Steps(args.out, group, life, args.kill_at, args.alone_sleep, args.stop_at)]
+                        callbacks=[Steps(args.out, group, life, args.kill_at, args.alone_sleep, args.stop_at, rank,
+                                         args.kill_rank)]
                         + ([L.pytorch.callbacks.ModelCheckpoint(args.ckpt_dir.format(group=group), save_last=True,
                                                                 every_n_train_steps=2)] if args.ckpt_dir else [])
                         + ([L.pytorch.callbacks.EarlyStopping("group_flag", mode="max", stopping_threshold=0.5,
@@ -157,7 +165,8 @@ def main() -> None:
     trainer.fit(model, DataLoader(data(n=args.samples), batch_size=32 if args.invariant else 16, shuffle=True), val)
     weights = torch.cat([t.detach().flatten() for t in model.parameters()])
     torch.save({"weights": weights, "state": model.state_dict(), "life": life, "global_step": trainer.global_step,
-                "report": dict(getattr(trainer.strategy, "ft_report", {}))}, args.out / f"group{group}.pt")
+                "report": dict(getattr(trainer.strategy, "ft_report", {}))},
+               args.out / (f"group{group}.pt" if rank == 0 else f"group{group}r{rank}.pt"))
 
 
 if __name__ == "__main__":

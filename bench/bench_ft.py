@@ -2,6 +2,7 @@
 
     python bench/bench_ft.py                      # --rounds 3 --steps 200 --width 128 (a tiny step)
     python bench/bench_ft.py --width 1024          # a step of ~20 ms on 2 cores: the fixed cost amortised
+    python bench/bench_ft.py --recovery            # 3 groups, group 1 SIGKILLed: the survivors' stall, the return
 
 The same MLP (32 -> width -> width -> 1, batch 64 a rank, a BatchNorm layer, one ``self.log`` a step, SGD)
 trained for ``--steps`` steps two ways, alternated ABBA after a dropped warm-up run of each, every run a fresh set of processes:
@@ -15,6 +16,13 @@ Both read one loop iteration (batch start to the next batch start), median over 
 20, on rank 0 / group 0. Also, inside the ft runs: the median time of the step-boundary bookkeeping
 (``mark_step_boundary``) and of the quorum (``start_quorum``) per step. No fault is injected: this is what fault
 tolerance costs a run in which nothing fails. 2 processes on 2 cores: ratios hold, absolute times are noisy.
+
+``--recovery``: what a fault costs. ``lsync-ft-run --replicas 3`` (``--min-replicas 1``, each
+``--heartbeat-timeout-ms`` given), group 1 SIGKILLed in the middle of step ``--kill-at`` (before its backward:
+the others wait for it in the gradient all-reduce). Read from every group's per-step log (wall clock, one
+machine): the time from the kill to the survivors' next committed step (they run the interrupted step again in
+a quorum without group 1), and to the first step the restarted group commits after healing from a live group
+(its process started again, torch and Lightning imported, the quorum joined, the checkpoint received).
 """
 
 from __future__ import annotations
@@ -33,8 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def worker(mode: str, steps: int, out: Path, width: int) -> None:
-    """One fit (a rank of ``ddp_sync``, or a replica group of ``ddp_sync_ft``); rank 0 / group 0 writes ``out``."""
+def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1) -> None:
+    """One fit (a rank of ``ddp_sync``, or a replica group of ``ddp_sync_ft``); rank 0 / group 0 writes ``out``
+    (``kill_at`` >= 0: every group appends a line a step to ``out``.group<g>, and group 1 dies in that step)."""
+    import signal
+
     import lightning as L
     import torch
     from torch import nn
@@ -43,6 +54,7 @@ def worker(mode: str, steps: int, out: Path, width: int) -> None:
     import lightning_sync as ls
 
     times: list[float] = []
+    group, life = os.environ.get("REPLICA_GROUP_ID", "0"), os.environ.get("LSYNC_FT_RESTART", "0")
     inner: dict[str, list[float]] = {"mark_step_boundary": [], "start_quorum": []}
 
     class MLP(L.LightningModule):
@@ -57,6 +69,19 @@ def worker(mode: str, steps: int, out: Path, width: int) -> None:
             if self._t:
                 times.append(now - self._t)
             self._t = now
+
+        def on_before_backward(self, loss):  # type: ignore[no-untyped-def]
+            if group == "1" and life == "0" and self.trainer.global_step == kill_at:
+                with open(f"{out}.kill", "w") as f:
+                    f.write(str(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+            if kill_at >= 0:
+                report = self.trainer.strategy.ft_report
+                with open(f"{out}.group{group}", "a") as f:
+                    f.write(json.dumps({"t": time.time(), "life": int(life), "step": self.trainer.global_step,
+                                        "participants": report["participants"]}) + "\n")
 
         def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
             x, y = batch
@@ -90,7 +115,7 @@ def worker(mode: str, steps: int, out: Path, width: int) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(MLP(), DataLoader(data, batch_size=64, shuffle=True))
-    if trainer.global_rank == 0 and os.environ.get("REPLICA_GROUP_ID", "0") == "0":
+    if trainer.global_rank == 0 and group == "0" and kill_at < 0:
         result = {"step_ms": statistics.median(times[20:]) * 1e3}
         result.update({f"{k}_ms": statistics.median(v[20:]) * 1e3 for k, v in inner.items() if len(v) > 20})
         out.write_text(json.dumps(result))
@@ -106,6 +131,31 @@ def run_once(mode: str, steps: int, out: Path, width: int) -> dict[str, float]:
     return dict(json.loads(out.read_text()))
 
 
+def recovery(rounds: int, steps: int, kill_at: int, heartbeat_ms: int) -> list[dict[str, float]]:
+    """``rounds`` runs of 3 groups with group 1 killed in step ``kill_at + 1``: seconds from the kill to the
+    survivors' next committed step, and to the restarted group's first committed step."""
+    runs = []
+    for i in range(rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "run"
+            me = [sys.executable, str(Path(__file__).resolve()), "--worker", "ft", "--steps", str(steps), "--out",
+                  str(out), "--kill-at", str(kill_at)]
+            cmd = [sys.executable, "-m", "lightning_sync.ft.launch", "--replicas", "3", "--min-replicas", "1",
+                   "--heartbeat-timeout-ms", str(heartbeat_ms), "--", *me]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+            if proc.returncode != 0:
+                raise SystemExit(f"bench_ft: the recovery run failed:\n{proc.stderr[-3000:]}")
+            killed = float(Path(f"{out}.kill").read_text())
+            logs = {g: [json.loads(line) for line in Path(f"{out}.group{g}").read_text().splitlines()] for g in range(3)}
+            survivor = next(r["t"] for r in logs[0] if r["t"] > killed)
+            back = next((r["t"] for r in logs[1] if r["life"] == 1), float("nan"))
+            whole = next((r["t"] for r in logs[0] if r["t"] > killed and r["participants"] == 3), float("nan"))
+            if back != back:
+                raise SystemExit("bench_ft: the restarted group never committed a step: raise --steps")
+            runs.append({"stall_s": survivor - killed, "back_s": back - killed, "whole_s": whole - killed})
+    return runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=3)
@@ -113,9 +163,24 @@ def main() -> None:
     p.add_argument("--worker", choices=("ddp", "ft"), default=None)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--width", type=int, default=128, help="the MLP's hidden width (the step's size)")
+    p.add_argument("--recovery", action="store_true", help="time a group's loss and return instead")
+    p.add_argument("--kill-at", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--heartbeats", type=int, nargs="+", default=[5000, 1000],
+                   help="--recovery: lsync-ft-run --heartbeat-timeout-ms values to time (default 5000 1000)")
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.out, args.width)
+        worker(args.worker, args.steps, args.out, args.width, args.kill_at)
+        return
+    if args.recovery:
+        steps = max(args.steps, 1500)  # the survivors still train when the restarted group is back
+        print(f"bench_ft --recovery: lsync-ft-run --replicas 3 --min-replicas 1, group 1 SIGKILLed in step 101 of "
+              f"{steps} (mid-step), MLP width {args.width}, {args.rounds} runs each; seconds from the kill")
+        for heartbeat in args.heartbeats:
+            runs = recovery(args.rounds, steps, 100, heartbeat)
+            cols = {k: statistics.median(r[k] for r in runs) for k in ("stall_s", "back_s", "whole_s")}
+            print(f"  --heartbeat-timeout-ms {heartbeat:5d}: survivors' next committed step {cols['stall_s']:.2f} s, "
+                  f"the restarted group's first committed step {cols['back_s']:.2f} s (runs: "
+                  + ", ".join(f"{r['stall_s']:.2f}/{r['back_s']:.2f}" for r in runs) + ")")
         return
     results: dict[str, list[dict[str, float]]] = {"ddp": [], "ft": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,7 +36,7 @@ import contextvars
 import copy
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -53,6 +53,7 @@ __all__ = [
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     "dedicated_group",
+    "exchange_across",
     "joined_step",
     "per_rank_batchnorm",
     "revert_sync_batchnorm",
@@ -76,6 +77,21 @@ _MISSING = object()
 _M = TypeVar("_M", bound=nn.Module)
 # Inside joined_step: whether this rank's batch is a stand-in (None: an ordinary step).
 _JOINED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("lightning_sync_joined_step", default=None)
+#: A layer's rows, as its process group gathered them -> every replica group's rows (see exchange_across).
+RowsAcross = Callable[[Tensor], Tensor]
+_across: RowsAcross | None = None
+
+
+def exchange_across(rows_across: RowsAcross | None) -> RowsAcross | None:
+    """Synchronise every :class:`SyncBatchNorm` of this process beyond its process group (``None``: stop); returns
+    the exchange set before. Each training exchange (the statistics in forward, the gradient sums in backward)
+    first gathers one row per rank of the layer's group, then hands those rows to ``rows_across``, which returns
+    the rows of every rank beyond it too, in the one order every process sees (``ddp_sync_ft``: every live replica
+    group's, through torchft's all-reduce), or the rows it was given where no exchange took place. With it set, a
+    layer takes the portable path, a process group of one rank included."""
+    global _across
+    before, _across = _across, rows_across
+    return before
 
 
 @contextlib.contextmanager
@@ -133,9 +149,10 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
     def forward(
         ctx: FunctionCtx, input: Tensor, weight: Tensor | None, bias: Tensor | None,
         running_mean: Tensor | None, running_var: Tensor | None, eps: float, momentum: float,
-        group: dist.ProcessGroup, world_size: int, stand_in: bool = False,
+        group: dist.ProcessGroup, world_size: int, stand_in: bool = False, across: RowsAcross | None = None,
     ) -> Tensor:
         channels = input.shape[1]
+        ctx.world_size, ctx.across = world_size, across  # type: ignore[attr-defined]
         local_count = 0 if stand_in else input.numel() // channels
         ctx.stand_in = stand_in  # type: ignore[attr-defined]
         # One record per rank: [count, mean (C), M2 (C)] in float64, so the combine below is exact
@@ -146,7 +163,10 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
             record = torch.cat([mean64.new_full((1,), local_count), mean64, var.double().mul_(local_count)])
         else:
             record = torch.zeros(2 * channels + 1, dtype=torch.float64, device=input.device)
-        gathered = collectives.all_gather_rows(record, group, "SyncBatchNorm statistics")
+        gathered = (collectives.all_gather_rows(record, group, "SyncBatchNorm statistics") if world_size > 1
+                    else record.unsqueeze(0))
+        if across is not None:
+            gathered = across(gathered)
 
         counts = gathered[:, 0]
         if bool((counts < 0).any()):  # a rank's input was refused (see SyncBatchNorm.forward): raise it here too
@@ -224,8 +244,10 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
             # summed in rank order on every rank (not all-reduced): the same numbers whatever order the backend's
             # reduction takes, so one host of 4 ranks and two hosts of 2 train bit for bit alike.
             combined = torch.cat([sum_dy, sum_dy_xhat])
-            combined = collectives.all_gather_rows(combined, group, "SyncBatchNorm gradient sums",
-                                                   site=_BACKWARD_SITE).sum(0)
+            rows = (collectives.all_gather_rows(combined, group, "SyncBatchNorm gradient sums", site=_BACKWARD_SITE)
+                    if ctx.world_size > 1 else combined.unsqueeze(0))  # type: ignore[attr-defined]
+            across: RowsAcross | None = ctx.across  # type: ignore[attr-defined]
+            combined = (rows if across is None else across(rows)).sum(0)
             if local:
                 combined.div_(total)
                 mean_dy, mean_dy_xhat = combined[:channels], combined[channels:]
@@ -238,7 +260,7 @@ class _PortableSyncBatchNorm(torch.autograd.Function):
                 grad_input = grad_input.to(input.dtype)
             else:
                 grad_input = torch.zeros_like(input)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def _raise_problem_text(problems: dict[int, str], world: int) -> None:
@@ -414,18 +436,21 @@ class SyncBatchNorm(BatchNormBase):
         world_size = 1
         if bn_training and self.training and dist.is_available() and dist.is_initialized():
             world_size = dist.get_world_size(group)  # -1 when this rank is not in the group
-        if world_size <= 1:
+        across = _across if bn_training and self.training else None
+        if world_size <= 1 and across is None:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, bn_training, factor,
                                 self.eps)
         # torch's own kernels are CUDA-only and fused: use them for CUDA tensors on NCCL (and other
         # non-gloo backends); everything else takes the portable path, and so does every rank in a step
         # with a stand-in batch (joined_step), which torch's kernels would count.
         stand_in = _JOINED.get()
-        if stand_in is None and input.is_cuda and collectives.backend_for(group, input.device) != "gloo":
+        if (stand_in is None and across is None and input.is_cuda
+                and collectives.backend_for(group, input.device) != "gloo"):
             return TorchSyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean, running_var,  # type: ignore[no-untyped-call,no-any-return]
                                              self.eps, factor, group, world_size)
         return _PortableSyncBatchNorm.apply(input, self.weight, self.bias, running_mean,  # type: ignore[no-untyped-call,no-any-return]
-                                            running_var, self.eps, factor, group, world_size, bool(stand_in))
+                                            running_var, self.eps, factor, group, max(world_size, 1),
+                                            bool(stand_in), across)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -270,7 +270,7 @@ def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(t
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "replica group 1 ended (killed by SIGKILL); restarting it (restart 1 of 3)" in proc.stderr
     assert "ddp_sync_ft: replica group 1 (life 1) recovers from a live group at step 10 (global step 10)" in proc.stderr
-    assert "BatchNorm layers net.1 compute their batch statistics over this replica group's own rows" in proc.stderr
+    assert "BatchNorm layers net.1 compute their batch statistics over this process's own rows" in proc.stderr
     first, second = torch.load(tmp_path / "ft" / "group0.pt"), torch.load(tmp_path / "ft" / "group1.pt")
     assert (first["life"], second["life"], first["global_step"], second["global_step"]) == (0, 1, 40, 40)
     assert torch.equal(first["weights"], second["weights"])
@@ -402,6 +402,42 @@ def test_a_group_killed_twice_recovers_twice_and_nothing_is_lost(tmp_path: Path)
     assert {r["life"] for r in _steps(tmp_path / "ft", 1)} == {0, 1, 2}
     one_process = _control(tmp_path / "control", "--steps", "40", "--invariant")
     assert torch.allclose(ends[0]["weights"], one_process, rtol=0, atol=1e-5 * one_process.abs().max().item())
+
+def _same_as(end: dict, one_process: dict, rel: float) -> bool:
+    """A group's whole state (BatchNorm's running statistics included) within ``rel`` of the one-process run's."""
+    return all(torch.allclose(value.double(), one_process["state"][key].double(), rtol=0,
+                              atol=rel * max(1.0, one_process["state"][key].double().abs().max().item()))
+               for key, value in end["state"].items())
+
+
+@pytest.mark.slow
+@pytest.mark.alone  # timing: the survivors must still be training when the restarted group is back
+@pytest.mark.timeout(480)
+def test_with_sync_batchnorm_the_statistics_span_every_live_group_and_nothing_is_lost(tmp_path: Path) -> None:
+    """sync_batchnorm=True under ddp_sync_ft, world_size_invariant=True, 3 groups, --min-replicas 1: a BatchNorm
+    layer's batch statistics (forward) and gradient sums (backward) are exchanged across the live groups
+    (torchft), so the layer normalises by the global batch; while group 1 is away the two live groups split the
+    global batch and exchange between the two of them. Every group ends within float rounding of ONE process
+    training with batch 32, running statistics included. Without sync_batchnorm the same model is not that
+    model (a group's own rows), and the warning names the fix."""
+    proc = _ft_run(tmp_path / "ft", ["--replicas", "3", "--heartbeat-timeout-ms", "1000"],
+                   ["--steps", "40", "--kill-at", "10", "--alone-sleep", "0.5", "--invariant", "--batchnorm",
+                    "--sync-bn"], script=FIT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "compute their batch statistics" not in proc.stderr
+    ends = [torch.load(tmp_path / "ft" / f"group{g}.pt") for g in range(3)]
+    assert [end["life"] for end in ends] == [0, 1, 0] and ends[0]["report"]["taken_over"] > 0
+    assert all(torch.equal(ends[0]["weights"], end["weights"]) for end in ends[1:])
+    _control(tmp_path / "control", "--steps", "40", "--invariant", "--batchnorm", "--sync-bn")
+    one_process = torch.load(tmp_path / "control" / "group0.pt")
+    assert all(_same_as(end, one_process, 1e-5) for end in ends)
+    # the control: per-group statistics (no sync_batchnorm), no fault, are another model
+    unsynced = _ft_run(tmp_path / "unsynced", ["--replicas", "3"], ["--steps", "40", "--invariant", "--batchnorm"],
+                       script=FIT, timeout=240)
+    assert unsynced.returncode == 0, unsynced.stderr[-6000:]
+    assert "Pass Trainer(sync_batchnorm=True): under ddp_sync_ft it synchronises them" in unsynced.stderr
+    assert not _same_as(torch.load(tmp_path / "unsynced" / "group0.pt"), one_process, 1e-4)
+
 
 #: a group's processes under --nproc-per-replica 2: fit_ft.py's file names, and the control rank of each (g * 2 + r)
 _PROCESSES = {"group0": "group0", "group0r1": "group1", "group1": "group2", "group1r1": "group3"}

@@ -28,6 +28,7 @@ logged ``ft/participants`` and ``ft/missing_shards``, a line at the end of ``fit
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -43,6 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync._compat.lightning_api import PathLike
 from lightning_sync._compat.torch_api import BatchNormBase, register_buffer_sync_hook
+from lightning_sync.batchnorm import SyncBatchNorm, exchange_across
 from lightning_sync.errors import LightningSyncError
 from lightning_sync.invariance import DropoutStep, current_dropout_step, rerun_dropout_step, set_dropout_step
 from lightning_sync.joining import StepShare
@@ -135,6 +137,7 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         self._in_step_with_others = False  # from on_train_start to the end of fit: every group at the same step
         self._markers: list[str] = []  # this group's claims on the directories it writes (lightning_sync.ft.outputs)
         self._own_share: _OwnShare | None = None  # the running step's batch as the loader gave it (invariant plans)
+        self._in_step = False  # inside a training step's closure (forward and backward), every group in it
         #: what torchft decided so far in this group's life (see ``docs/fault_tolerance.md``)
         self.ft_report: dict[str, int] = {"committed": 0, "redone": 0, "caught_up": 0, "missing_shards": 0,
                                           "taken_over": 0, "healed": 0, "participants": 0}
@@ -365,7 +368,11 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                     # state (``_load_from_peer``); the quorum just joined is their next step's, and this one's
                     self.ft_report["caught_up"] += 1
                     return None
-            result = closure()  # training_step + backward: the hook averages the gradients over the quorum
+            self._in_step = True  # (SyncBatchNorm exchanges across groups only inside it: _rows_across_groups)
+            try:
+                result = closure()  # training_step + backward: the hook averages the gradients over the quorum
+            finally:
+                self._in_step = False
             self._quorum_open = False
             if result is None:
                 raise LightningSyncError(
@@ -544,6 +551,9 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         try:
             super().teardown()
         finally:
+            for part in self.parts:
+                if isinstance(part, _FaultTolerancePart):
+                    part.release_exchange()  # (also where the parts' own teardown did not run)
             if ctx is not None:
                 report = self.ft_report
                 rank_zero_info(
@@ -561,6 +571,7 @@ class _FaultTolerancePart(Part):
 
     def __init__(self, strategy: FaultTolerantDDPStrategy) -> None:
         self._strategy = strategy
+        self._exchange: Any = False  # the SyncBatchNorm exchange set before this fit set its own (False: none set)
 
     def callbacks(self, strategy: Any) -> tuple[Any, ...]:
         return (_StepBoundary(self._strategy),)
@@ -570,17 +581,30 @@ class _FaultTolerancePart(Part):
         groups = self._strategy.replica_group.num_groups
         if module is None or groups < 2 or trainer is None or trainer.state.fn != "fit":
             return
+        synced = any(isinstance(m, SyncBatchNorm) for m in module.modules())
+        if synced and self._exchange is False:  # sync_batchnorm=True: over every live group's rows, not the group's
+            self._exchange = exchange_across(functools.partial(_rows_across_groups, self._strategy))
         norms = [name for name, m in module.named_modules() if isinstance(m, BatchNormBase)
-                 and m.training]
+                 and not isinstance(m, SyncBatchNorm) and m.training]
         if norms:
             invariant = self._strategy.part(WorldSizeInvariantPart) is not None
             rank_zero_warn(
                 f"ddp_sync_ft: BatchNorm layers {', '.join(norms[:5])}{', ...' if len(norms) > 5 else ''} compute "
-                "their batch statistics over this replica group's own rows (sync_batchnorm=True synchronises the "
-                "processes of a group, not the groups), so training depends on how many groups take part in a step"
+                "their batch statistics over this process's own rows (torch's SyncBatchNorm: over its replica "
+                "group's), not every replica group's, so training depends on how many groups take part in a step"
                 + (", and world_size_invariant=True does not give the one-process model" if invariant else "")
-                + ". Their running statistics are the quorum's first group's, as ddp's ranks take rank 0's. Use a "
-                "normalisation without batch statistics (LayerNorm, GroupNorm) for that.")
+                + ". Pass Trainer(sync_batchnorm=True): under ddp_sync_ft it synchronises them over every live "
+                "replica group's processes (lightning_sync.SyncBatchNorm; a layer left out of the conversion stays "
+                "as it is).")
+
+    def after_teardown(self, strategy: Any) -> None:
+        self.release_exchange()
+
+    def release_exchange(self) -> None:
+        """Put back the SyncBatchNorm exchange set before this fit (none, as a rule)."""
+        if self._exchange is not False:
+            exchange_across(self._exchange)
+            self._exchange = False
 
     def on_train_start(self, strategy: Any, trainer: Any) -> None:
         if self._strategy._ctx is not None and trainer is not None:
@@ -669,6 +693,28 @@ def _from_first_group(strategy: FaultTolerantDDPStrategy, tensor: torch.Tensor) 
         tensor = torch.zeros_like(tensor)
     manager.allreduce(tensor, reduce_op=torch.distributed.ReduceOp.SUM).wait()
     return None if manager.errored() is not None else tensor
+
+
+def _rows_across_groups(strategy: FaultTolerantDDPStrategy, rows: torch.Tensor) -> torch.Tensor:
+    """A ``SyncBatchNorm`` exchange's rows (one per process of this group) and every other live group's, in the order
+    of the quorum (participant ``p``'s rows at ``p``): one torchft all-reduce of a zero tensor each group writes its
+    rows into (a sum with zeros: exact). Only inside a training step's forward and backward, which every group of
+    the quorum runs (not in a hook around it: a restarted group runs ``on_train_epoch_start`` alone); where the
+    quorum fails meanwhile, this group's rows (the step is not committed and is run again)."""
+    if strategy._ctx is None or not strategy._in_step:
+        return rows
+    manager = strategy.manager
+    participants, participant = manager.num_participants(), manager.participating_rank()
+    if participants <= 1:
+        return rows
+    k = rows.shape[0]
+    wire = rows.new_zeros((participants * k, *rows.shape[1:]))
+    if participant is not None:
+        wire[participant * k:(participant + 1) * k] = rows
+    manager.allreduce(wire, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+    if manager.errored() is not None or participant is None:
+        return rows
+    return wire
 
 
 def _replica_buffer_broadcast(strategy: FaultTolerantDDPStrategy, buffers: dict[str, torch.Tensor]) -> None:

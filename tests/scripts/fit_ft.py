@@ -123,6 +123,7 @@ def main() -> None:
     p.add_argument("--kill-rank", type=int, default=0, help="the process of group 1 that --kill-at/--stop-at stop")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (running statistics: buffers)")
+    p.add_argument("--sync-bn", action="store_true", help="Trainer(sync_batchnorm=True)")
     p.add_argument("--val", action="store_true", help="a validation loader, every 10 steps (val_loss, sync_dist)")
     p.add_argument("--no-seed", action="store_true", help="the mistake: no seed every group knows")
     p.add_argument("--early-stop", action="store_true",
@@ -150,6 +151,7 @@ def main() -> None:
                                                quorum_timeout=args.quorum_timeout)
         devices, rank = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))  # torchrun's
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=args.steps, logger=False,
+                        sync_batchnorm=args.sync_bn,
                         **({"val_check_interval": 10} if args.val else {}),
                         enable_checkpointing=args.ckpt_dir is not None, enable_progress_bar=False,
                         enable_model_summary=False,

@@ -237,16 +237,23 @@ class SeedLineage:
 
     # ---------------------------------------------------------------- checkpoints
 
-    def checkpoint_state(self, extra: Any = None, global_step: int | None = None) -> dict[str, Any] | None:
+    def checkpoint_state(self, extra: Any = None, global_step: int | None = None,
+                         own_rank: int | None = None) -> dict[str, Any] | None:
         """Every rank's RNG state (and ``extra``), gathered to rank 0 (a collective: call on every rank).
 
         Returns the dict to store under ``checkpoint["lightning_sync"]`` on rank 0, None elsewhere;
-        ``extra`` of every rank lands in its ``"loader_states"`` list (one gather for both).
+        ``extra`` of every rank lands in its ``"loader_states"`` list (one gather for both). ``own_rank``: no
+        gather; that rank's state alone, in its slot of the per-rank lists (the others' None), for a checkpoint
+        that goes to that rank of another process group (``ddp_sync_ft``'s recovery from a live replica group).
         """
         mine = self.rank_state(extra)
-        gathered = gather_objects(mine, dst=0) if is_distributed() else [mine]
-        if gathered is None:
-            return None
+        if own_rank is None:
+            gathered = gather_objects(mine, dst=0) if is_distributed() else [mine]
+            if gathered is None:
+                return None
+        else:
+            gathered = [mine if r == own_rank else {"rng_state": None, "loader_states": None}
+                        for r in range(self.world_size)]
         state = self.shared_state(global_step)
         state["rng_states"] = [g["rng_state"] for g in gathered]
         if extra is not None:

@@ -178,16 +178,10 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                                         timeout=self.ft_timeout, quorum_timeout=self.quorum_timeout,
                                         use_async_quorum=False, init_sync=False, group=self.replica_group,
                                         rank=self.global_rank, world_size=self.world_size,
-                                        share_port=self._share_store_port if self.world_size > 1 else None)
+                                        share_port=self._group_first if self.world_size > 1 else None)
             peer = self._peer_checkpoint
             if peer is not None and peer.outcome == "pending":
                 self._join(peer)
-
-    def _share_store_port(self, port: int | None) -> int:
-        """The group's store port, from its rank 0 to every rank (one broadcast over the group)."""
-        shared = super().broadcast(port, src=0)
-        assert isinstance(shared, int)
-        return shared
 
     @property
     def manager(self) -> Any:

@@ -71,12 +71,8 @@ class CheckpointStatePart(Part):
         if seed is None or seed.lineage is None:
             return
         payload = ResumeHooks.loader_payload(checkpoint) if strategy.part(ResumableDataPart) is not None else None
-        mine = seed.lineage.rank_state(payload)
-        state = seed.lineage.shared_state(checkpoint.get("global_step"))
-        rank, world_size = strategy.global_rank, strategy.world_size
-        state["rng_states"] = [mine["rng_state"] if r == rank else None for r in range(world_size)]
-        if payload is not None:
-            state["loader_states"] = [payload if r == rank else None for r in range(world_size)]
+        state = seed.lineage.checkpoint_state(payload, checkpoint.get("global_step"), own_rank=strategy.global_rank)
+        assert state is not None  # (no gather: every rank has its entry)
         checkpoint[CHECKPOINT_KEY] = state
         stash_loader_states(checkpoint, state)
 

@@ -387,20 +387,22 @@ def test_a_frozen_group_stalls_the_others_for_a_timeout_then_is_replaced_and_not
 @pytest.mark.alone
 @pytest.mark.timeout(360)
 def test_a_group_killed_twice_recovers_twice_and_nothing_is_lost(tmp_path: Path) -> None:
-    """Group 1 SIGKILLed in step 11 of its first life and in step 26 of its second: restarted twice, it recovers
-    from group 0 each time; both end within float rounding of ONE process training with batch 32."""
+    """Group 1 SIGKILLed in step 11 of its first life and in step 26 of its second (or its first step after that if
+    it healed later): restarted twice, it recovers from group 0 each time; both end within float rounding of ONE
+    process training with batch 32. Group 0 trains alone at >= 0.5 s a step while group 1 is away, so 25 steps
+    leave its third life (a restart takes 5-6 s) time to join before the run ends."""
     proc = _ft_run(tmp_path / "ft", ["--replicas", "2", "--max-restarts", "2", "--heartbeat-timeout-ms", "1000"],
-                   ["--steps", "40", "--kill-at", "10", "25", "--alone-sleep", "0.3", "--invariant"], script=FIT,
+                   ["--steps", "50", "--kill-at", "10", "25", "--alone-sleep", "0.5", "--invariant"], script=FIT,
                    timeout=240)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "replica group 1 ended (killed by SIGKILL); restarting it (restart 2 of 2)" in proc.stderr
-    assert "all 2 replica groups finished; restarted: group 1 x2" in proc.stderr
+    assert "replica group 1 ended (killed by SIGKILL); restarting it (restart 2 of 2)" in proc.stderr, proc.stderr[-6000:]
+    assert "all 2 replica groups finished; restarted: group 1 x2" in proc.stderr, proc.stderr[-6000:]
     assert all(f"ddp_sync_ft: replica group 1 (life {life}) recovers from a live group" in proc.stderr for life in (1, 2))
     ends = [torch.load(tmp_path / "ft" / f"group{g}.pt") for g in range(2)]
     assert [end["life"] for end in ends] == [0, 2] and torch.equal(ends[0]["weights"], ends[1]["weights"])
-    assert [r["step"] for r in _steps(tmp_path / "ft", 0)] == list(range(1, 41))
+    assert [r["step"] for r in _steps(tmp_path / "ft", 0)] == list(range(1, 51))
     assert {r["life"] for r in _steps(tmp_path / "ft", 1)} == {0, 1, 2}
-    one_process = _control(tmp_path / "control", "--steps", "40", "--invariant")
+    one_process = _control(tmp_path / "control", "--steps", "50", "--invariant")
     assert torch.allclose(ends[0]["weights"], one_process, rtol=0, atol=1e-5 * one_process.abs().max().item())
 
 def _same_as(end: dict, one_process: dict, rel: float) -> bool:
@@ -532,8 +534,12 @@ def test_a_group_restarted_after_the_run_finished_ends_at_once(tmp_path: Path) -
     assert time.monotonic() - start < 110
 
 def _lighthouse(port: int) -> subprocess.Popen[bytes]:
+    """A lighthouse of the test's own for 2 groups, its ``--min_replicas`` the group count: started again, it forms
+    no quorum until both groups are back. (With 1, the first group to ask the new one may form a quorum alone before
+    the other's heartbeat has reconnected; seen on a loaded host: the other then failed to heal from it and was
+    restarted, nothing lost but the no-restart promise gone. docs/fault_tolerance.md says so.)"""
     exe = Path(sys.executable).parent / "torchft_lighthouse"
-    return subprocess.Popen([str(exe), "--bind", f"127.0.0.1:{port}", "--min_replicas", "1", "--heartbeat_timeout_ms",
+    return subprocess.Popen([str(exe), "--bind", f"127.0.0.1:{port}", "--min_replicas", "2", "--heartbeat_timeout_ms",
                              "1000", "--join_timeout_ms", "10000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -574,7 +580,7 @@ def test_a_restarted_lighthouse_costs_a_quorum_timeout_and_no_group_restarts(tmp
     assert run.returncode == 0, stderr[-6000:]
     assert ("within 5 s (quorum_timeout): fewer than min_replicas groups joined, or the lighthouse http://127.0.0.1:"
             in stderr), stderr[-4000:]
-    assert "lsync-ft-run: all 2 replica groups finished\n" in stderr + "\n" and "restarting it" not in stderr
+    assert "lsync-ft-run: all 2 replica groups finished\n" in stderr + "\n" and "restarting it" not in stderr, stderr[-8000:]
     ends = [torch.load(out / f"group{g}.pt") for g in range(2)]
     assert [end["life"] for end in ends] == [0, 0] and torch.equal(ends[0]["weights"], ends[1]["weights"])
     steps = [r["step"] for r in _steps(out, 0)]

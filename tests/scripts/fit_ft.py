@@ -70,8 +70,9 @@ class Steps(L.Callback):
         self.faulty = max(kill_at) >= 0 or stop_at >= 0
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        # mid-step, once the quorum of step kill_at + 1 is formed: group 0 waits in the gradient all-reduce
-        if self.dies and trainer.global_step == self.kill_at:
+        # mid-step, once the quorum of step kill_at + 1 is formed: group 0 waits in the gradient all-reduce. A restarted
+        # life that healed past its kill_at (a slow restart) dies in its first step instead.
+        if self.dies and 0 <= self.kill_at <= trainer.global_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.dies and trainer.global_step == self.stop_at:
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen, until lsync-ft-run's --stopped-timeout ends it
@@ -112,7 +113,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--kill-at", type=int, nargs="+", default=[-1], help="group 1's step to die in, a life each")
+    p.add_argument("--kill-at", type=int, nargs="+", default=[-1], help="group 1's step to die in (or its first step after it), a life each")
     p.add_argument("--stop-at", type=int, default=-1, help="group 1 SIGSTOPs itself in this step (first life)")
     p.add_argument("--ft-timeout", type=float, default=30.0, help="FaultTolerantDDPStrategy(timeout=)")
     p.add_argument("--quorum-timeout", type=float, default=120.0, help="FaultTolerantDDPStrategy(quorum_timeout=)")

@@ -5,7 +5,7 @@ python tests/scripts/ft_replica.py --out DIR [--steps 40] [--kill-at S] [--fail-
 A linear model, momentum SGD; every step: torchft's quorum, this group's slice of the step's global batch (rows
 chosen by the committed step, so a redone step reads the same rows), the gradient averaged over the live groups,
 the optimizer step only if torchft commits. ``--kill-at S``: group 1 SIGKILLs itself in its first life once step S
-is committed (lsync-ft-run restarts it; it heals from group 0; ``--alone-sleep``: group 0 slows down meanwhile, so
+(or the first after it) is committed (lsync-ft-run restarts it; it heals from group 0; ``--alone-sleep``: group 0 slows down meanwhile, so
 that it is still training when group 1 is back). ``--fail-always``: group 1 exits 3 in every life.
 Each group appends one line a step to OUT/group<g>.log and writes OUT/group<g>.pt at its end.
 """
@@ -83,7 +83,8 @@ def main() -> None:
             alone += committed and participants == 1
             log.write(f"life {group.restart} step {step} participants {participants} committed {int(committed)}\n")
             log.flush()
-            if committed and step == args.kill_at and group.group_id == 1 and group.restart == 0:
+            # (at or after: a group that started late may have healed from a peer already past kill_at)
+            if committed and step >= args.kill_at >= 0 and group.group_id == 1 and group.restart == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             alone_now = committed and participants == 1 and step > args.kill_at >= 0 and group.group_id == 0
             time.sleep(args.alone_sleep if alone_now else args.sleep)

@@ -281,19 +281,25 @@ def test_sbatch_requeue_signal_resumes_to_the_uninterrupted_result(cluster: Clus
 # ------------------------------------------------------------------ replica groups on torchft, one per node
 
 
-def test_sbatch_ft_recipe_a_group_killed_on_its_node_recovers_from_the_other(cluster: Cluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sbatch_ft_recipe_a_group_killed_on_its_node_recovers_from_the_other(cluster: Cluster, tmp_path: Path,
+                                                                            nproc: int) -> None:
     """recipes/launch_slurm_ft.sbatch on 2 nodes: torchft's lighthouse on n0's address, one `lsync-ft-run --group
-    g` job step per node. Group 1 (on n1) SIGKILLs itself in the middle of step 9; lsync-ft-run restarts it on n1, it
-    recovers from group 0 across the link, and (MIN_REPLICAS=2: no step alone) both end with the same weights."""
+    g` job step per node, each group one process or two (NPROC_PER_REPLICA=2: torchrun on the node, devices=2).
+    Group 1 (on n1) SIGKILLs itself in the middle of step 9; lsync-ft-run restarts it on n1, it recovers from group
+    0 across the link, and (MIN_REPLICAS=2: no step alone) both end with the same weights."""
     import sys
 
     assert _wait_idle(cluster, 60), "leftovers from an earlier test"
     job = cluster.sbatch(RECIPES / "launch_slurm_ft.sbatch", sys.executable, str(RECIPES / "fault_tolerant_ddp.py"),
-                         "--kill-at", "8", "--max-steps", "20", env={"MIN_REPLICAS": "2"}, timeout=300)
+                         "--kill-at", "8", "--max-steps", "20",
+                         env={"MIN_REPLICAS": "2", "NPROC_PER_REPLICA": str(nproc)}, timeout=300)
     (tmp_path / "output.txt").write_text(job.output)  # to read after a failure
     assert job.exit_code == 0, job.output[-6000:]
     assert f"lighthouse {cluster.addr['n0']}:" in job.output, job.output[-3000:]
-    assert "lsync-ft-run: replica group 1 ended (killed by SIGKILL); restarting it" in job.output, job.output[-6000:]
+    # (under torchrun: "its rank r was killed by SIGKILL first")
+    assert re.search(r"lsync-ft-run: replica group 1 ended \([^)]*killed by SIGKILL[^)]*\); restarting it", job.output), \
+        job.output[-6000:]
     assert "ddp_sync_ft: replica group 1 (life 1) recovers from a live group at step 8" in job.output
     checksums = dict(re.findall(r"replica group (\d) \(life \d\): step 20, weights checksum (\S+)", job.output))
     assert sorted(checksums) == ["0", "1"] and checksums["0"] == checksums["1"], job.output[-6000:]

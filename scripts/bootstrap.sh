@@ -21,4 +21,9 @@ fi
 echo "bootstrap: creating $VENV (torch CPU build, lightning, torchmetrics, hydra) ..." >&2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" -e ".[test,recipes]"
+# scikit-learn as a reference some tests compare with, outside the venv's site-packages (tests put it on
+# PYTHONPATH where they need it): where scipy is importable, torchmetrics imports scipy.signal in every
+# process that imports Lightning (about 1 s of CPU a process; users' default install has no scipy)
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" --no-deps --upgrade \
+  --target "$VENV/reference" scikit-learn scipy joblib threadpoolctl narwhals
 echo "$want" > "$stamp"

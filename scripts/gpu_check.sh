@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # The tier's needs beyond torch: setup.cfg's install_requires and the test extras the tier imports.
 NEEDS=(lightning lightning-utilities torchmetrics hydra-core omegaconf antlr4-python3-runtime torchdata
-       pytest pytest-timeout scikit-learn pyarrow numpy packaging pyyaml)
+       pytest pytest-timeout pyarrow numpy packaging pyyaml)
 
 pin() {  # NAME -> NAME==VERSION from constraints.txt (the demo pins), else hydra-core's antlr4 pin, else NAME
   local v

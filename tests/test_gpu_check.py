@@ -47,12 +47,13 @@ def _bare_host() -> Path:
                 subprocess.run(["rm", "-rf", str(old)], check=True)
             assert _run([sys.executable, "-m", "venv", str(venv)], 120).returncode == 0
             pip = _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", "-c",
-                        str(REPO / "constraints.txt"), *HOST_NEEDS, "scikit-learn"], 900)
+                        str(REPO / "constraints.txt"), *HOST_NEEDS], 900)
             assert pip.returncode == 0, pip.stderr[-3000:]
             (venv / "installed").write_text(key)
     return venv
 
 
+@pytest.mark.serial  # 2 minutes: on the serial worker, which is done early, not the last test of a run
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_dry_run_from_a_bare_host_installs_from_wheels_runs_the_tier_and_reports(tmp_path: Path) -> None:

@@ -65,6 +65,7 @@ def fresh_venv(src: Path) -> Path:
     return venv
 
 
+@pytest.mark.serial  # 2 minutes: on the serial worker, which is done early, not the last test of a run
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_pip_install_then_lsync_train_outside_the_repo(tmp_path: Path) -> None:
@@ -121,15 +122,22 @@ def test_pip_install_then_lsync_train_outside_the_repo(tmp_path: Path) -> None:
 
 
 def test_shipped_digits_equal_scikit_learns() -> None:
-    """assets/digits.npz was written once from scikit-learn's load_digits(): same values, same order."""
-    sklearn_datasets = pytest.importorskip("sklearn.datasets")
-    import torch
-
-    from lightning_sync.data import load_digits
-
-    images, labels = load_digits()
-    ref_images, ref_labels = sklearn_datasets.load_digits(return_X_y=True)
-    assert images.dtype == labels.dtype == torch.uint8 and tuple(images.shape) == (1797, 64)
-    assert torch.equal(images.double(), torch.from_numpy(ref_images)) and torch.equal(labels.long(),
-                                                                                       torch.from_numpy(ref_labels))
+    """assets/digits.npz was written once from scikit-learn's load_digits(): same values, same order. scikit-learn
+    is the reference scripts/bootstrap.sh installs beside the venv (``$VENV/reference``, off sys.path); compared in
+    a process of its own, so that no other test's processes import scipy."""
+    reference = Path(sys.prefix) / "reference"
+    assert (reference / "sklearn").is_dir(), f"no scikit-learn in {reference}: run bash scripts/bootstrap.sh"
+    check = """
+import numpy as np, torch
+from sklearn.datasets import load_digits as reference
+from lightning_sync.data import load_digits
+images, labels = load_digits()
+ref_images, ref_labels = reference(return_X_y=True)
+assert images.dtype == labels.dtype == torch.uint8 and tuple(images.shape) == (1797, 64), (images.dtype, images.shape)
+assert np.array_equal(images.double().numpy(), ref_images) and np.array_equal(labels.long().numpy(), ref_labels)
+print("same digits")
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(reference), os.environ.get("PYTHONPATH")]))}
+    proc = run(sys.executable, "-c", check, env=env, cwd=REPO)
+    assert proc.stdout.strip() == "same digits"
     assert (REPO / "lightning_sync" / "assets" / "digits.npz").stat().st_size < 100_000

@@ -1,10 +1,13 @@
 """Shared fixtures. ``cluster`` / ``cluster_tools``: the two-node test cluster (see tests/cluster.py).
 
 Under pytest-xdist (``scripts/test.sh`` runs two workers: a 2-rank Lightning run leaves a core idle
-while one rank imports), a test marked ``alone`` or ``cluster`` runs with nothing else running:
-all of them go to one worker (``xdist_group``), and each holds a session-wide lock exclusively that
-every other test holds shared. A turnstile lock keeps an exclusive waiter from being starved by the
-other worker's next shared test. A test's "setup" time in ``--durations`` includes its wait for the lock.
+while one rank imports), the tests marked ``alone``, ``cluster`` or ``serial`` all go to one worker
+(``xdist_group("serial")``), one after the other. One marked ``alone`` or ``cluster`` runs with nothing
+beside it: it holds a session-wide lock exclusively that every other test holds shared. A turnstile lock
+keeps an exclusive waiter from being starved by the other worker's next shared test. One marked ``serial``
+runs beside the other worker's tests, never beside another ``serial`` one (the fault-tolerance runs: their
+own timing is loose enough for a loaded machine, not for two of them at once; most of their time is spent
+waiting, which the other worker fills). A test's "setup" time in ``--durations`` includes its wait for the lock.
 """
 
 from __future__ import annotations
@@ -18,14 +21,16 @@ import pytest
 from tests.cluster import cluster, cluster_tools  # noqa: F401 - pytest finds fixtures by name
 
 _ALONE = ("alone", "cluster")
+_SERIAL = (*_ALONE, "serial")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group into the test's id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.pluginmanager.hasplugin("xdist"):  # (gpu_check.sh's venv runs pytest without it)
         return
     for item in items:
-        if any(item.get_closest_marker(name) for name in _ALONE):
-            item.add_marker(pytest.mark.xdist_group("alone"))
+        if any(item.get_closest_marker(name) for name in _SERIAL):
+            item.add_marker(pytest.mark.xdist_group("serial"))
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +40,11 @@ def _alone_or_shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
         return
     shared = tmp_path_factory.getbasetemp().parent  # the session's directory, above each worker's
     alone = any(request.node.get_closest_marker(name) for name in _ALONE)
-    with open(shared / "alone.turnstile", "a") as turnstile, open(shared / "alone.lock", "a") as lock:
+    serial = any(request.node.get_closest_marker(name) for name in _SERIAL)
+    with open(shared / "alone.turnstile", "a") as turnstile, open(shared / "alone.lock", "a") as lock, \
+            open(shared / "serial.lock", "a") as one_serial:
+        if serial:  # (one at a time whatever the scheduler: the xdist group already keeps them on one worker)
+            fcntl.flock(one_serial, fcntl.LOCK_EX)
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         fcntl.flock(turnstile, fcntl.LOCK_UN)

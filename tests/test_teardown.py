@@ -12,6 +12,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "fit_seed.py"
 RUNS = 12  # plain ddp aborts in about 1 run in 3-10 here: 12 runs miss that rate with p = 0.8% - 28%
 
 
+@pytest.mark.serial  # 2 minutes: on the serial worker, which is done early, not the last test of a run
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_consecutive_fits_exit_zero(tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ process takes: rank g * P + r that of group g's process r).
 An MLP with dropout (``--dropout``, 0.1), momentum SGD, 640 shuffled samples, 16 a group a step. ``--kill-at S``: group 1 SIGKILLs
 itself in its first life in the middle of step S + 1 (before its backward) (lsync-ft-run restarts it; it recovers from group 0;
 ``--kill-at S S2``: in its second life at S2 + 1 too). ``--stop-at S``: group 1 SIGSTOPs itself there instead (frozen), and
-group 0 sleeps ``--alone-sleep`` after each step it trains without every group (so it is still training when group 1 is back).
+group 0 sleeps ``--alone-sleep`` after each step it trains without every group, and, left alone after a fault,
+first waits until the lost group's next life has started (so it is still training when group 1 is back, however
+slow the restart on a loaded machine).
 Each group appends one JSON line a step to OUT/group<g>.log and one an epoch (its logged epoch means) to
 OUT/group<g>.epochs, and writes OUT/group<g>.pt (weights, state_dict, report) at the end of fit; a group's
 process r > 0 writes OUT/group<g>r<r>.* instead. ``--kill-rank R``: which process of group 1 dies (0).
@@ -68,6 +70,8 @@ class Steps(L.Callback):
         self.kill_at = kill_at[life] if life < len(kill_at) else -1
         self.stop_at = stop_at if life == 0 else -1
         self.faulty = max(kill_at) >= 0 or stop_at >= 0
+        self.first_fault = kill_at[0] if kill_at[0] >= 0 else stop_at  # (group 1's first life)
+        self.episodes, self.was_alone = 0, False  # times group 0 was left alone after a fault
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         # mid-step, once the quorum of step kill_at + 1 is formed: group 0 waits in the gradient all-reduce. A restarted
@@ -99,8 +103,22 @@ class Steps(L.Callback):
         with open(self.out / f"{self.name}.log", "a") as f:
             f.write(json.dumps(line) + "\n")
         groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
-        if self.group == 0 and 0 < report.get("participants", groups) < groups and self.faulty:
+        alone = self.group == 0 and 0 < report.get("participants", groups) < groups and self.faulty
+        if alone and self.alone_sleep > 0:
+            if trainer.global_step > self.first_fault >= 0:
+                self.episodes += not self.was_alone
+                wait_for_restarts(self.out, self.episodes)
             time.sleep(self.alone_sleep)
+        self.was_alone = alone
+
+
+def wait_for_restarts(out: Path, lives: int, limit: float = 120.0) -> None:
+    """Group 0, left alone after a fault, waits until the lost group's life ``lives`` has started (its marker file,
+    written before its fit: see main), up to ``limit`` s: then its ``--alone-sleep`` pace leaves the restarted group
+    many seconds to join, however long its restart took on a loaded machine."""
+    deadline = time.monotonic() + limit
+    while len(list(out.glob("group*.back*"))) < lives and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def data(seed: int = 0, n: int = 640) -> TensorDataset:
@@ -165,6 +183,8 @@ def main() -> None:
                         + ([L.pytorch.callbacks.Timer(timedelta(seconds=1 if group == 0 else 3600))] if args.timer
                            else []))
     val = DataLoader(data(seed=1, n=96), batch_size=16) if args.val else None
+    if not args.control and life > 0 and rank == 0:
+        (args.out / f"group{group}.back{life}").touch()  # (group 0 paces itself by it: wait_for_restarts)
     trainer.fit(model, DataLoader(data(n=args.samples), batch_size=32 if args.invariant else 16, shuffle=True), val)
     weights = torch.cat([t.detach().flatten() for t in model.parameters()])
     torch.save({"weights": weights, "state": model.state_dict(), "life": life, "global_step": trainer.global_step,

@@ -5,8 +5,8 @@ python tests/scripts/ft_replica.py --out DIR [--steps 40] [--kill-at S] [--fail-
 A linear model, momentum SGD; every step: torchft's quorum, this group's slice of the step's global batch (rows
 chosen by the committed step, so a redone step reads the same rows), the gradient averaged over the live groups,
 the optimizer step only if torchft commits. ``--kill-at S``: group 1 SIGKILLs itself in its first life once step S
-(or the first after it) is committed (lsync-ft-run restarts it; it heals from group 0; ``--alone-sleep``: group 0 slows down meanwhile, so
-that it is still training when group 1 is back). ``--fail-always``: group 1 exits 3 in every life.
+(or the first after it) is committed (lsync-ft-run restarts it; it heals from group 0; ``--alone-sleep``: group 0, left alone, waits for group
+1's next life to start and then slows down, so that it is still training when group 1 is back). ``--fail-always``: group 1 exits 3 in every life.
 Each group appends one line a step to OUT/group<g>.log and writes OUT/group<g>.pt at its end.
 """
 
@@ -63,8 +63,10 @@ def main() -> None:
 
     ctx = replica_context(state_dict, load_state_dict, min_replica_size=1)
     manager = ctx.manager
+    if group.restart > 0:  # heartbeating from here: group 0 stops waiting for it (below)
+        (args.out / f"group{group.group_id}.back{group.restart}").touch()
     log = open(args.out / f"group{group.group_id}.log", "a")  # noqa: SIM115 - closed below
-    alone = 0
+    alone, was_alone, episodes = 0, False, 0
     try:
         while manager.current_step() < args.steps:
             step = manager.current_step()
@@ -87,6 +89,14 @@ def main() -> None:
             if committed and step >= args.kill_at >= 0 and group.group_id == 1 and group.restart == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             alone_now = committed and participants == 1 and step > args.kill_at >= 0 and group.group_id == 0
+            if alone_now and args.alone_sleep > 0:
+                # left alone after the kill: first wait until group 1's next life has started (up to 120 s), so
+                # that a restart slowed down by a loaded machine still finds group 0 training
+                episodes += not was_alone
+                deadline = time.monotonic() + 120
+                while len(list(args.out.glob("group*.back*"))) < episodes and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            was_alone = alone_now
             time.sleep(args.alone_sleep if alone_now else args.sleep)
         weights = torch.cat([t.detach().flatten() for t in model.parameters()])
         torch.save({"weights": weights, "restart": group.restart, "healed": bool(healed), "steps_alone": alone,

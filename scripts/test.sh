@@ -17,6 +17,9 @@ if [ "${1:-}" = "--oldest" ]; then
 fi
 bash scripts/bootstrap.sh
 VENV=${LSYNC_VENV:-.venv}
+# Byte-compile the package and the test scripts once: where PYTHONDONTWRITEBYTECODE is set (these machines),
+# every rank of every run would otherwise compile lightning_sync from source again (pip compiled the venv's own)
+"$VENV/bin/python" -m compileall -q lightning_sync tests >/dev/null
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 set +e
 # Two workers: a 2-rank Lightning run leaves a core idle while its ranks import one after the

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_sync as ls
+from _ft_pacing import announce_restart, wait_for_restarts  # (tests/scripts/, the script's own directory)
 
 
 class Model(L.LightningModule):
@@ -112,14 +113,6 @@ class Steps(L.Callback):
         self.was_alone = alone
 
 
-def wait_for_restarts(out: Path, lives: int, limit: float = 120.0) -> None:
-    """Group 0, left alone after a fault, waits until the lost group's life ``lives`` has started (its marker file,
-    written before its fit: see main), up to ``limit`` s: then its ``--alone-sleep`` pace leaves the restarted group
-    many seconds to join, however long its restart took on a loaded machine."""
-    deadline = time.monotonic() + limit
-    while len(list(out.glob("group*.back*"))) < lives and time.monotonic() < deadline:
-        time.sleep(0.1)
-
 
 def data(seed: int = 0, n: int = 640) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
@@ -184,7 +177,7 @@ def main() -> None:
                            else []))
     val = DataLoader(data(seed=1, n=96), batch_size=16) if args.val else None
     if not args.control and life > 0 and rank == 0:
-        (args.out / f"group{group}.back{life}").touch()  # (group 0 paces itself by it: wait_for_restarts)
+        announce_restart(args.out, group, life)  # (group 0 paces itself by it: wait_for_restarts)
     trainer.fit(model, DataLoader(data(n=args.samples), batch_size=32 if args.invariant else 16, shuffle=True), val)
     weights = torch.cat([t.detach().flatten() for t in model.parameters()])
     torch.save({"weights": weights, "state": model.state_dict(), "life": life, "global_step": trainer.global_step,

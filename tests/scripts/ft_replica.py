@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lightning_sync.ft import ReplicaGroup, replica_context  # noqa: E402
+from _ft_pacing import announce_restart, wait_for_restarts  # noqa: E402  (tests/scripts/, the script's own directory)
 
 BATCH = 8
 
@@ -64,7 +65,7 @@ def main() -> None:
     ctx = replica_context(state_dict, load_state_dict, min_replica_size=1)
     manager = ctx.manager
     if group.restart > 0:  # heartbeating from here: group 0 stops waiting for it (below)
-        (args.out / f"group{group.group_id}.back{group.restart}").touch()
+        announce_restart(args.out, group.group_id, group.restart)
     log = open(args.out / f"group{group.group_id}.log", "a")  # noqa: SIM115 - closed below
     alone, was_alone, episodes = 0, False, 0
     try:
@@ -93,9 +94,7 @@ def main() -> None:
                 # left alone after the kill: first wait until group 1's next life has started (up to 120 s), so
                 # that a restart slowed down by a loaded machine still finds group 0 training
                 episodes += not was_alone
-                deadline = time.monotonic() + 120
-                while len(list(args.out.glob("group*.back*"))) < episodes and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                wait_for_restarts(args.out, episodes)
             was_alone = alone_now
             time.sleep(args.alone_sleep if alone_now else args.sleep)
         weights = torch.cat([t.detach().flatten() for t in model.parameters()])

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 # one at a time on the serial worker, beside the other worker's tests (tests/conftest.py): a restarted group is
-# paced for (the survivor waits for its next life to start: wait_for_restarts in scripts/fit_ft.py), so a loaded
+# paced for (the survivor waits for its next life to start: scripts/_ft_pacing.py), so a loaded
 # machine slows the run down without breaking it; two of them at once would share the lighthouses' heartbeats'
 # margins. The two that measure a stall against torchft's timeouts run alone.
 pytestmark = pytest.mark.serial

@@ -21,3 +21,21 @@ def wait_for_restarts(out: Path, lives: int, limit: float = 120.0) -> None:
     deadline = time.monotonic() + limit
     while len(list(out.glob("group*.back*"))) < lives and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+class AlonePacer:
+    """The survivor's pace: ``after_step(alone, after_fault)`` at the end of each of its steps. A step it trained
+    alone after a fault first waits for the lost group's next life (one more each time it is left alone again);
+    every step it trained alone then sleeps ``sleep`` seconds (nothing when ``sleep`` is 0)."""
+
+    def __init__(self, out: Path, sleep: float) -> None:
+        self.out, self.sleep = out, sleep
+        self.episodes, self.was_alone = 0, False  # times left alone after a fault; the last step's state
+
+    def after_step(self, alone: bool, after_fault: bool) -> None:
+        if alone and self.sleep > 0:
+            if after_fault:
+                self.episodes += not self.was_alone
+                wait_for_restarts(self.out, self.episodes)
+            time.sleep(self.sleep)
+        self.was_alone = alone

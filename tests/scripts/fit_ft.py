@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_sync as ls
-from _ft_pacing import announce_restart, wait_for_restarts  # (tests/scripts/, the script's own directory)
+from _ft_pacing import AlonePacer, announce_restart  # (tests/scripts/, the script's own directory)
 
 
 class Model(L.LightningModule):
@@ -65,14 +65,14 @@ class Model(L.LightningModule):
 class Steps(L.Callback):
     def __init__(self, out: Path, group: int, life: int, kill_at: list[int], alone_sleep: float,
                  stop_at: int = -1, rank: int = 0, kill_rank: int = 0) -> None:
-        self.out, self.group, self.life, self.alone_sleep = out, group, life, alone_sleep
+        self.out, self.group, self.life = out, group, life
         self.name = f"group{group}" if rank == 0 else f"group{group}r{rank}"
         self.dies = group == 1 and rank == kill_rank
         self.kill_at = kill_at[life] if life < len(kill_at) else -1
         self.stop_at = stop_at if life == 0 else -1
         self.faulty = max(kill_at) >= 0 or stop_at >= 0
         self.first_fault = kill_at[0] if kill_at[0] >= 0 else stop_at  # (group 1's first life)
-        self.episodes, self.was_alone = 0, False  # times group 0 was left alone after a fault
+        self.pacer = AlonePacer(out, alone_sleep)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         # mid-step, once the quorum of step kill_at + 1 is formed: group 0 waits in the gradient all-reduce. A restarted
@@ -105,13 +105,7 @@ class Steps(L.Callback):
             f.write(json.dumps(line) + "\n")
         groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
         alone = self.group == 0 and 0 < report.get("participants", groups) < groups and self.faulty
-        if alone and self.alone_sleep > 0:
-            if trainer.global_step > self.first_fault >= 0:
-                self.episodes += not self.was_alone
-                wait_for_restarts(self.out, self.episodes)
-            time.sleep(self.alone_sleep)
-        self.was_alone = alone
-
+        self.pacer.after_step(alone, after_fault=trainer.global_step > self.first_fault >= 0)
 
 
 def data(seed: int = 0, n: int = 640) -> TensorDataset:

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lightning_sync.ft import ReplicaGroup, replica_context  # noqa: E402
-from _ft_pacing import announce_restart, wait_for_restarts  # noqa: E402  (tests/scripts/, the script's own directory)
+from _ft_pacing import AlonePacer, announce_restart  # noqa: E402  (tests/scripts/, the script's own directory)
 
 BATCH = 8
 
@@ -67,7 +67,7 @@ def main() -> None:
     if group.restart > 0:  # heartbeating from here: group 0 stops waiting for it (below)
         announce_restart(args.out, group.group_id, group.restart)
     log = open(args.out / f"group{group.group_id}.log", "a")  # noqa: SIM115 - closed below
-    alone, was_alone, episodes = 0, False, 0
+    alone, pacer = 0, AlonePacer(args.out, args.alone_sleep)
     try:
         while manager.current_step() < args.steps:
             step = manager.current_step()
@@ -90,13 +90,11 @@ def main() -> None:
             if committed and step >= args.kill_at >= 0 and group.group_id == 1 and group.restart == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             alone_now = committed and participants == 1 and step > args.kill_at >= 0 and group.group_id == 0
-            if alone_now and args.alone_sleep > 0:
-                # left alone after the kill: first wait until group 1's next life has started (up to 120 s), so
-                # that a restart slowed down by a loaded machine still finds group 0 training
-                episodes += not was_alone
-                wait_for_restarts(args.out, episodes)
-            was_alone = alone_now
-            time.sleep(args.alone_sleep if alone_now else args.sleep)
+            # left alone after the kill: first wait until group 1's next life has started (up to 120 s), so that a
+            # restart slowed down by a loaded machine still finds group 0 training; then --alone-sleep
+            pacer.after_step(alone_now, after_fault=True)
+            if not alone_now:
+                time.sleep(args.sleep)
         weights = torch.cat([t.detach().flatten() for t in model.parameters()])
         torch.save({"weights": weights, "restart": group.restart, "healed": bool(healed), "steps_alone": alone,
                     "step": manager.current_step()}, args.out / f"group{group.group_id}.pt")

@@ -20,7 +20,26 @@ if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; the
 fi
 echo "bootstrap: creating $VENV (torch CPU build, lightning, torchmetrics, hydra) ..." >&2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" -e ".[test,recipes]"
+# What `pip install -e ".[test,recipes]"` installs, in two steps so that two bootstraps (CI makes .venv and
+# .venv-oldest at once: each is one pip process on one core) never write the checkout together: first the
+# requirements setup.cfg lists (pip writes nothing in the checkout), then lightning_sync itself, editable,
+# under a lock (setuptools writes lightning_sync.egg-info here).
+mapfile -t REQS < <("$VENV/bin/python" - <<'PYEOF'
+import configparser
+
+cfg = configparser.ConfigParser()
+cfg.read("setup.cfg")
+for value in (cfg["options"]["install_requires"], cfg["options.extras_require"]["test"],
+              cfg["options.extras_require"]["recipes"]):
+    for line in value.splitlines():
+        if line.strip() and not line.strip().startswith("#"):
+            print(line.strip())
+PYEOF
+)
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" "${REQS[@]}"
+mkdir -p build
+flock build/.bootstrap.lock \
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" --no-deps -e .
 # scikit-learn as a reference some tests compare with, outside the venv's site-packages (tests put it on
 # PYTHONPATH where they need it): where scipy is importable, torchmetrics imports scipy.signal in every
 # process that imports Lightning (about 1 s of CPU a process; users' default install has no scipy)

@@ -23,7 +23,7 @@ VENV=${LSYNC_VENV:-.venv}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 set +e
 # Two workers: a 2-rank Lightning run leaves a core idle while its ranks import one after the
-# other. Tests marked cluster/alone run with nothing beside them (tests/conftest.py).
+# other. Tests marked alone run with nothing beside them, cluster/serial ones one at a time (tests/conftest.py).
 # LSYNC_TEST_WORKERS=0 (or -n 0 among the arguments) runs everything in one process.
 "$VENV/bin/python" -m pytest -n "${LSYNC_TEST_WORKERS:-2}" --dist loadgroup "$@"
 rc=$?

@@ -2,12 +2,12 @@
 
 Under pytest-xdist (``scripts/test.sh`` runs two workers: a 2-rank Lightning run leaves a core idle
 while one rank imports), the tests marked ``alone``, ``cluster`` or ``serial`` all go to one worker
-(``xdist_group("serial")``), one after the other. One marked ``alone`` or ``cluster`` runs with nothing
-beside it: it holds a session-wide lock exclusively that every other test holds shared. A turnstile lock
-keeps an exclusive waiter from being starved by the other worker's next shared test. One marked ``serial``
-runs beside the other worker's tests, never beside another ``serial`` one (the fault-tolerance runs: their
-own timing is loose enough for a loaded machine, not for two of them at once; most of their time is spent
-waiting, which the other worker fills). A test's "setup" time in ``--durations`` includes its wait for the lock.
+(``xdist_group("serial")``), one after the other. One marked ``alone`` runs with nothing beside it: it
+holds a session-wide lock exclusively that every other test holds shared. A turnstile lock keeps an
+exclusive waiter from being starved by the other worker's next shared test. One marked ``serial`` or
+``cluster`` runs beside the other worker's tests, never beside another of them (the fault-tolerance runs
+and the two-node cluster: their own timing is loose enough for a loaded machine, not for two of them at
+once; most of their time is spent waiting, which the other worker fills). A test's "setup" time in ``--durations`` includes its wait for the lock.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import pytest
 
 from tests.cluster import cluster, cluster_tools  # noqa: F401 - pytest finds fixtures by name
 
-_ALONE = ("alone", "cluster")
-_SERIAL = (*_ALONE, "serial")
+_ALONE = ("alone",)
+# the two-node cluster tests wait on slurmd, torchrun's rendezvous and their own network namespaces more than they
+# use the cores: one at a time, beside the other worker's tests (their time bounds are 60-100 s, for runs of 15-25 s)
+_SERIAL = (*_ALONE, "cluster", "serial")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group into the test's id

@@ -24,7 +24,10 @@ echo "bootstrap: creating $VENV (torch CPU build, lightning, torchmetrics, hydra
 # .venv-oldest at once: each is one pip process on one core) never write the checkout together: first the
 # requirements setup.cfg lists (pip writes nothing in the checkout), then lightning_sync itself, editable,
 # under a lock (setuptools writes lightning_sync.egg-info here).
-mapfile -t REQS < <("$VENV/bin/python" - <<'PYEOF'
+REQS=()
+while IFS= read -r req; do
+  REQS+=("$req")
+done < <("$VENV/bin/python" - <<'PYEOF'
 import configparser
 
 cfg = configparser.ConfigParser()
@@ -36,10 +39,15 @@ for value in (cfg["options"]["install_requires"], cfg["options.extras_require"][
             print(line.strip())
 PYEOF
 )
+[ "${#REQS[@]}" -gt 0 ] || { echo "bootstrap: no requirements read from setup.cfg" >&2; exit 1; }
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" "${REQS[@]}"
 mkdir -p build
-flock build/.bootstrap.lock \
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" --no-deps -e .
+LOCK=()
+if command -v flock >/dev/null 2>&1; then  # (util-linux; where it is missing, one bootstrap at a time is safe)
+  LOCK=(flock build/.bootstrap.lock)
+fi
+${LOCK[@]+"${LOCK[@]}"} "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" \
+  --no-deps -e .
 # scikit-learn as a reference some tests compare with, outside the venv's site-packages (tests put it on
 # PYTHONPATH where they need it): where scipy is importable, torchmetrics imports scipy.signal in every
 # process that imports Lightning (about 1 s of CPU a process; users' default install has no scipy)

@@ -85,8 +85,9 @@ class PeakRSS:
     the code pages of libraries touched for the first time), sampled every 2 ms."""
 
     def __enter__(self) -> PeakRSS:
-        self.base, self.anon_base = self.now(), self.anon()
-        self.peak, self.anon_peak = self.base, self.anon_base
+        resident, shared = self._statm()
+        self.base = self.peak = resident
+        self.anon_base = self.anon_peak = resident - shared
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -98,15 +99,6 @@ class PeakRSS:
             fields = f.read().split()
         page = os.sysconf("SC_PAGE_SIZE")
         return int(fields[1]) * page, int(fields[2]) * page  # resident, shared (file-backed + shmem)
-
-    @classmethod
-    def now(cls) -> int:
-        return cls._statm()[0]
-
-    @classmethod
-    def anon(cls) -> int:
-        resident, shared = cls._statm()
-        return resident - shared
 
     def _sample(self) -> None:
         resident, shared = self._statm()

@@ -7,7 +7,8 @@ holds a session-wide lock exclusively that every other test holds shared. A turn
 exclusive waiter from being starved by the other worker's next shared test. One marked ``serial`` or
 ``cluster`` runs beside the other worker's tests, never beside another of them (the fault-tolerance runs
 and the two-node cluster: their own timing is loose enough for a loaded machine, not for two of them at
-once; most of their time is spent waiting, which the other worker fills). A test's "setup" time in ``--durations`` includes its wait for the lock.
+once; most of their time is spent waiting, which the other worker fills). A test's "setup" time in
+``--durations`` includes its wait for the lock.
 """
 
 from __future__ import annotations

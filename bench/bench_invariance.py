@@ -12,9 +12,13 @@ the next batch start). ``--workers 0`` (default): the main process loads, so the
 1. ``light``: a sample is a stored vector plus ``torch.randn`` noise (~1 us of work): the worst case for the
    per-sample keyed seeding.
 2. ``image``: a random 28x28 crop and flip of a stored 3x32x32 image (torch), a common augmentation.
-3. ``dropout``: ``light`` data, the MLP with two ``nn.Dropout(0.1)`` layers: the invariant masks are drawn
-   for the global batch (2x the draws on 2 ranks).
+3. ``dropout``: ``light`` data, the MLP with two ``nn.Dropout(0.1)`` layers: each rank hashes its own rows'
+   mask elements (counter-based, keyed by the element's place in the global batch).
 Target: >= 0.95x the steps/s.
+
+Then, in one process, one dropout layer's forward on a rank's rows of a global batch of 256 x 1024 as N = 1, 2,
+4, 8, 16 ranks would run it: the invariant layer against ``nn.Dropout`` (the per-rank mask), microseconds a call;
+both should fall as 1/N (a rank's cost is its own rows').
 """
 
 from __future__ import annotations
@@ -110,6 +114,32 @@ def run(steps: int, rounds: int, workers: int, out: Path) -> None:
             (out / "invariance.json").write_text(json.dumps(results))
 
 
+def dropout_layer(rows: int = 256, width: int = 1024, calls: int = 30) -> None:
+    import torch
+    from torch import nn
+
+    from lightning_sync.invariance import DropoutStep, dropout_step, make_dropout_invariant
+
+    torch.set_num_threads(1)
+    plain, keyed = nn.Dropout(0.1), nn.Dropout(0.1)
+    make_dropout_invariant(keyed)
+    print(f"  one dropout layer's forward, rank 0's rows of a global batch of {rows} x {width} (median of {calls}):")
+    for n in (1, 2, 4, 8, 16):
+        local = rows // n
+        x = torch.randn(local, width)
+        times = {}
+        for name, layer in (("nn.Dropout", plain), ("invariant", keyed)):
+            samples = []
+            for call in range(calls + 3):
+                with dropout_step(DropoutStep(root=0, epoch=0, step=call, rows=rows, offset=0, local=local)):
+                    start = time.perf_counter()
+                    layer(x)
+                    samples.append(time.perf_counter() - start)
+            times[name] = statistics.median(samples[3:]) * 1e6
+        print(f"    N={n:>2} ({local:>3} rows): invariant {times['invariant']:8.1f} us, nn.Dropout "
+              f"{times['nn.Dropout']:8.1f} us: {times['invariant'] / times['nn.Dropout']:.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=150)
@@ -128,6 +158,7 @@ def main() -> None:
         off, on = statistics.median(r[f"{kind} off"]), statistics.median(r[f"{kind} on"])
         print(f"  {kind:>8}: world_size_invariant=True {on:.3f} ms a step vs False {off:.3f}: steps/s ratio "
               f"{off / on:.3f} (target >= 0.95)")
+    dropout_layer()
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ run's step, split:
   process (torch's stream put back afterwards) or in any worker: an augmentation drawn in
   ``__getitem__`` is the same whichever rank or worker loads the sample.
 * **dropout** (:func:`make_dropout_invariant`): an ``nn.Dropout``/``Dropout1d/2d/3d`` layer in training
-  draws the mask of the whole global batch from a generator keyed by ``(root, epoch, step, layer, call)``
-  and applies this rank's rows of it: the mask a sample gets does not depend on N. Cost: the mask of
-  ``G`` rows is drawn on every rank (``N`` times the draws of per-rank dropout).
+  computes the mask of this rank's rows only, each element's draw a counter-based hash (SplitMix64) of its
+  index in the global batch's mask and a key of ``(root, epoch, step, layer, call)``: the mask a sample gets
+  does not depend on N, and a rank's cost and memory are those of its own rows (as per-rank dropout's),
+  whatever N.
 
 What stays per rank: random numbers a ``training_step`` draws itself (``torch.rand``...), a ``collate_fn``'s
 batch-level randomness (it sees the rank's slice), dropout inside ``F.dropout`` calls of the user's own or
@@ -34,6 +35,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import hashlib
 import math
 import random
 from collections.abc import Iterator
@@ -340,12 +342,61 @@ def dropout_step(step: DropoutStep) -> Iterator[DropoutStep]:
         _STEP.reset(token)
 
 
+def _signed64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# SplitMix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014): the draw of
+# counter i under key k is mix(k + i * GAMMA), computed on int64 tensors (multiplication wraps; a logical right
+# shift is an arithmetic one masked).
+_GAMMA = _signed64(0x9E3779B97F4A7C15)
+_MIX = ((30, (1 << 34) - 1, _signed64(0xBF58476D1CE4E5B9)), (27, (1 << 37) - 1, _signed64(0x94D049BB133111EB)))
+_LAST = (31, (1 << 33) - 1)
+_SIGN = -(1 << 63)
+# elements hashed at once, by device type: on CPU two int64 temporaries of 512 KB stay in cache (a 2**20 chunk
+# was 2.7x slower for a 256 x 1024 mask); elsewhere fewer, larger launches (temporaries of 64 MB)
+_CHUNK = {"cpu": 1 << 16}
+_CHUNK_OTHER = 1 << 22
+
+
+def _mask_key(root: int, epoch: int, step: int, layer: str, call: int) -> int:
+    text = f"{root}:dropout:{epoch}:{step}:{layer}:{call}".encode()
+    return _signed64(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little"))
+
+
+def _keep_mask(key: int, start: int, shape: tuple[int, ...], p: float, *, dtype: torch.dtype = torch.float32,
+               device: torch.device | str | None = None) -> Tensor:
+    """The keep mask (1 kept, 0 dropped, in ``dtype``) of elements ``start, start + 1, ...`` (row-major over
+    ``shape``) of a counter-based stream keyed by ``key``: element ``i`` is kept when SplitMix64's output for
+    counter ``i``, read as an unsigned 64-bit number, is at least ``round(p * 2**64)``. A slice of a larger mask
+    is the same numbers whichever rank computes it and whatever the slice's bounds; the cost is that of the
+    slice's elements, hashed in chunks (bounded temporaries)."""
+    mask = torch.empty(shape, dtype=dtype, device=device)
+    flat = mask.view(-1)
+    # unsigned z >= T  <=>  signed (z ^ 2**63) >= T - 2**63
+    threshold = min(round(p * 2.0**64), (1 << 64) - 1) + _SIGN
+    total = flat.numel()
+    chunk = _CHUNK.get(flat.device.type, _CHUNK_OTHER)
+    for begin in range(0, total, chunk):
+        end = min(begin + chunk, total)
+        z = torch.arange(start + begin, start + end, dtype=torch.int64, device=flat.device)
+        z.mul_(_GAMMA).add_(key)
+        shifted = torch.empty_like(z)
+        for shift, low, multiplier in _MIX:
+            torch.bitwise_right_shift(z, shift, out=shifted)
+            z.bitwise_xor_(shifted.bitwise_and_(low)).mul_(multiplier)
+        shift, low = _LAST
+        torch.bitwise_right_shift(z, shift, out=shifted)
+        z.bitwise_xor_(shifted.bitwise_and_(low).bitwise_xor_(_SIGN))  # the last xor and the sign flip in one
+        flat[begin:end] = z >= threshold
+    return mask
+
+
 class _InvariantDropout:
     """Mixed into a converted dropout layer's class (``make_dropout_invariant``)."""
 
     _lsync_name: str
     _lsync_channels: bool
-    _lsync_generators: dict[torch.device, torch.Generator]
     p: float
     inplace: bool
     training: bool
@@ -354,10 +405,10 @@ class _InvariantDropout:
         step = _STEP.get()
         if not self.training or self.p == 0.0 or step is None:
             return super().forward(input)  # type: ignore[misc, no-any-return]
-        if step.local == 0:  # a stand-in step (its contribution is zero): any keyed mask, no global draw
-            rows, offset, local = input.shape[0], 0, input.shape[0]
+        if step.local == 0:  # a stand-in step (its contribution is zero): any keyed mask does
+            offset, local = 0, input.shape[0]
         else:
-            rows, offset, local = step.rows, step.offset, step.local
+            offset, local = step.offset, step.local
         if input.dim() == 0 or input.shape[0] != local:
             raise RuntimeError(
                 f"world_size_invariant=True: dropout layer {self._lsync_name!r} got an input of shape "
@@ -368,19 +419,17 @@ class _InvariantDropout:
         calls = step.calls
         call = calls[self._lsync_name]
         calls[self._lsync_name] = call + 1
-        generator = self._lsync_generators.get(input.device)
-        if generator is None:
-            generator = self._lsync_generators[input.device] = torch.Generator(device=input.device)
-        generator.manual_seed(derive_seed(step.root, "dropout", step.epoch, step.step, self._lsync_name, call))
         if self._lsync_channels:  # Dropout1d/2d/3d: one draw per (sample, channel)
-            shape = (rows, input.shape[1], *([1] * (input.dim() - 2)))
+            shape = (local, input.shape[1], *([1] * (input.dim() - 2)))
         else:
-            shape = (rows, *input.shape[1:])
-        draws = torch.rand(shape, generator=generator, device=input.device)[offset:offset + local]
+            shape = (local, *input.shape[1:])
+        row = math.prod(shape[1:])
         if self.p == 1.0:
-            mask = torch.zeros_like(draws, dtype=input.dtype)
+            mask = torch.zeros(shape, dtype=input.dtype, device=input.device)
         else:
-            mask = (draws >= self.p).to(input.dtype).div_(1.0 - self.p)
+            key = _mask_key(step.root, step.epoch, step.step, self._lsync_name, call)
+            mask = _keep_mask(key, offset * row, shape, self.p, dtype=input.dtype, device=input.device)
+            mask.div_(1.0 - self.p)
         return input.mul_(mask) if self.inplace else input * mask
 
 
@@ -414,7 +463,6 @@ def make_dropout_invariant(module: nn.Module) -> tuple[list[str], list[str]]:
             layer.__class__ = _invariant_class(type(layer))
             layer._lsync_name = name
             layer._lsync_channels = channels
-            layer._lsync_generators = {}
             converted.append(name)
         elif isinstance(layer, (nn.AlphaDropout, nn.FeatureAlphaDropout)) and layer.p > 0:
             left.append(name)

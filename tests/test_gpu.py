@@ -4,7 +4,8 @@
 NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so NCCL runs here with a world of one:
 the public collectives (which return their input there), the transport they use on more ranks (the
 metadata exchange, the padded byte exchange, the gather to one rank, objects with CUDA tensors), the
-collective guard around NCCL work, the NCCL barrier and teardown, torch's CUDA SyncBatchNorm kernels.
+collective guard around NCCL work, the NCCL barrier and teardown, torch's CUDA SyncBatchNorm kernels,
+world-size-invariant dropout's masks (the CPU ones).
 Two ranks share the GPU over gloo with CUDA tensors: uneven gathers, seeds, the portable SyncBatchNorm.
 The Trainer runs on ``accelerator="gpu", devices=1`` with NCCL: native SyncBatchNorm, bf16-mixed,
 a bit-exact mid-epoch resume (dropout draws from the CUDA generator), ValidationGather and
@@ -247,6 +248,27 @@ def test_two_ranks_on_one_gpu_over_gloo_with_cuda_tensors() -> None:
     for name, value in ref["buffers"].items():
         for r in per_rank:
             torch.testing.assert_close(r["buffers"][name], value, rtol=TOL, atol=TOL)
+
+
+def test_invariant_dropout_masks_on_cuda_are_the_cpu_ones() -> None:
+    """World-size-invariant dropout hashes each element's place in the global batch with int64 arithmetic: the same
+    masks on CUDA as on CPU (wrapping multiplication, masked shifts), for any slice, in float32 and bfloat16."""
+    from lightning_sync.invariance import DropoutStep, _keep_mask, dropout_step, make_dropout_invariant
+
+    for key in (0, -(1 << 63), 123456789123456789):
+        cpu = _keep_mask(key, 1 << 40, (64, 333), 0.3)
+        assert torch.equal(_keep_mask(key, 1 << 40, (64, 333), 0.3, device="cuda").cpu(), cpu)
+    layer = nn.Dropout(0.25).cuda()
+    make_dropout_invariant(layer)
+    x = torch.ones(12, 7, device="cuda", dtype=torch.bfloat16)
+    with dropout_step(DropoutStep(root=3, epoch=1, step=2, rows=12, offset=0, local=12)):
+        whole = layer(x)
+    with dropout_step(DropoutStep(root=3, epoch=1, step=2, rows=12, offset=5, local=7)):
+        part = layer(x[5:])
+    assert whole.dtype == torch.bfloat16 and torch.equal(part, whole[5:])
+    layer.cpu()
+    with dropout_step(DropoutStep(root=3, epoch=1, step=2, rows=12, offset=0, local=12)):
+        assert torch.equal(layer(x.cpu()), whole.cpu())
 
 
 # ------------------------------------------------------------------ the Trainer on one GPU (NCCL)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler
 
+from lightning_sync import invariance
 from lightning_sync.invariance import (DropoutStep, GlobalBatchSampler, KeyedSampleDataset, SampleKey, dropout_step,
                                        make_dropout_invariant)
 from lightning_sync.parts.invariant import invariant_loader
@@ -186,6 +187,35 @@ def test_the_dropout_mask_of_a_sample_does_not_depend_on_the_world_size(kind: ty
     assert not torch.equal(other, whole)
     layer.eval()
     assert torch.equal(_mask(layer, DropoutStep(5, 0, 3, 10, 0, 10), 10, shape), torch.ones(10, *shape))
+
+
+def _splitmix64(key: int, i: int) -> int:
+    """SplitMix64's output for counter ``i`` under ``key``: the reference, in Python integers."""
+    bits = (1 << 64) - 1
+    z = (key + i * 0x9E3779B97F4A7C15) & bits
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & bits
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & bits
+    return z ^ (z >> 31)
+
+
+@pytest.mark.parametrize("key", [0, 12345, -(1 << 63), (1 << 63) - 1, -987654321987654321])
+def test_the_keep_mask_is_splitmix64_in_any_chunks_and_keeps_one_minus_p(key: int,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    start, p = (1 << 40) + 7, 0.3
+    mask = invariance._keep_mask(key, start, (6, 50), p)
+    threshold = round(p * 2.0**64)
+    expected = [float(_splitmix64(key % (1 << 64), start + i) >= threshold) for i in range(300)]
+    assert mask.flatten().tolist() == expected  # int64 arithmetic wraps as the reference's modulo 2**64
+    monkeypatch.setitem(invariance._CHUNK, "cpu", 7)  # chunk bounds inside rows change nothing
+    assert torch.equal(invariance._keep_mask(key, start, (6, 50), p, dtype=torch.float64), mask.double())
+    monkeypatch.undo()
+    big = invariance._keep_mask(key, 0, (1000, 1000), p, dtype=torch.bool)
+    assert abs(big.float().mean().item() - (1 - p)) < 0.002  # 1e6 draws: the rate's sd is 4.6e-4
+    same = (big[:, 1:] == big[:, :-1]).float().mean().item()  # neighbours independent: p^2 + (1-p)^2 equal
+    assert abs(same - (p * p + (1 - p) ** 2)) < 0.002
+    for tiny in (1e-6, 0.999999):  # the threshold has 64 bits: tiny probabilities are not rounded to 0 or 1
+        assert abs(invariance._keep_mask(key, 0, (1000, 1000), tiny, dtype=torch.bool).float().mean().item()
+                   - (1 - tiny)) < 1e-5
 
 
 def test_a_stand_in_steps_dropout_draws_nothing_from_the_global_generator() -> None:

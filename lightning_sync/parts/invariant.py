@@ -1,7 +1,7 @@
 """``WorldSizeInvariantPart``: N ranks train the one-process model (``world_size_invariant=True``).
 
 The training loader is rebuilt over :class:`~lightning_sync.invariance.GlobalBatchSampler` (its ``batch_size``
-read as the global batch) with per-sample keyed randomness; dropout layers draw the global batch's masks;
+read as the global batch) with per-sample keyed randomness; dropout layers key their masks by the global batch's rows;
 a step whose ranks hold different row counts is weighted by ``lightning_sync.parts.uneven`` (the loader
 queues each step's share where that part reads it). The position inside an epoch is Lightning's own batch
 count, kept with the plan in ``checkpoint["lightning_sync"]["world_size_invariant"]``: a resume on any
@@ -53,7 +53,7 @@ class WorldSizeInvariantPart(Part):
         if left and strategy.global_rank == 0:
             warnings.warn(
                 f"world_size_invariant=True: the dropout of {', '.join(left[:5])}{', ...' if len(left) > 5 else ''} "
-                "is drawn per rank (only nn.Dropout and nn.Dropout1d/2d/3d layers draw the global batch's masks): "
+                "is drawn per rank (only nn.Dropout and nn.Dropout1d/2d/3d layers key their masks by the global batch's rows): "
                 "training with it depends on the number of ranks.", stacklevel=2)
 
     def callbacks(self, strategy: Any) -> tuple[pl.Callback, ...]:

@@ -31,7 +31,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -45,37 +44,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_sync import collectives as C  # noqa: E402
 from lightning_sync.gathering import RowCollector  # noqa: E402
+from bench._memory import PeakRSS, rss  # noqa: E402
 
 FEATURES = 16
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
-
-
-class PeakRSS:
-    """Samples RSS every millisecond in a thread (torch ops release the GIL)."""
-
-    def __enter__(self) -> PeakRSS:
-        self.start = self.peak = rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss())
-
-
 SHARDING = os.environ.get("BENCH_SHARDING", "exact")
 
 
@@ -98,12 +69,12 @@ def batches(rank: int, world: int, n: int, batch: int) -> list[tuple[list[int], 
 
 def timed(fn: Callable[[], Any], mem: bool) -> tuple[float, int, Any]:
     dist.barrier()
-    with PeakRSS() as peak:
+    with PeakRSS(interval=0.001) as peak:
         t0 = time.perf_counter()
         result = fn()
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed), (peak.peak - peak.start) if mem else 0, result
+    return float(elapsed), (peak.peak - peak.base) if mem else 0, result
 
 
 def worker(rank: int, world: int, init: str, out: str, n: int, batch: int, repeats: int) -> None:
@@ -124,7 +95,7 @@ def worker(rank: int, world: int, init: str, out: str, n: int, batch: int, repea
     # ValidationGather's memory first, in a fresh process, before any other copy of the data exists
     c = collector()
     before = rss()
-    with PeakRSS() as first:
+    with PeakRSS(interval=0.001) as first:
         res = c.gather()
     del res, c
     x_all = torch.cat([x for _, x, _ in data])

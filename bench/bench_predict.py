@@ -30,7 +30,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning_sync as ls  # noqa: E402
+from bench._memory import PeakRSS  # noqa: E402
 
 DIM = 16
 
@@ -77,42 +77,6 @@ class Model(L.LightningModule):
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         x, label = batch
         return {"emb": self.net(x), "label": label}
-
-
-class PeakRSS:
-    """This process's peak resident memory while the block runs (``peak``, over ``base`` before it), and the peak of
-    its anonymous part (``anon_peak`` over ``anon_base``: resident minus file-backed and shared pages, i.e. without
-    the code pages of libraries touched for the first time), sampled every 2 ms."""
-
-    def __enter__(self) -> PeakRSS:
-        resident, shared = self._statm()
-        self.base = self.peak = resident
-        self.anon_base = self.anon_peak = resident - shared
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    @staticmethod
-    def _statm() -> tuple[int, int]:
-        with open("/proc/self/statm") as f:
-            fields = f.read().split()
-        page = os.sysconf("SC_PAGE_SIZE")
-        return int(fields[1]) * page, int(fields[2]) * page  # resident, shared (file-backed + shmem)
-
-    def _sample(self) -> None:
-        resident, shared = self._statm()
-        self.peak = max(self.peak, resident)
-        self.anon_peak = max(self.anon_peak, resident - shared)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self._sample()
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
 
 
 class TorchSaveWriter(BasePredictionWriter):

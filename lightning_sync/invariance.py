@@ -39,19 +39,20 @@ import hashlib
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_sync._compat.torch_api import current_autograd_node
 from lightning_sync.joining import StepShare
 from lightning_sync.sampling import EpochOrder, shard_sizes, shuffle_order
 from lightning_sync.seeding import derive_seed, derive_seeds
 
 __all__ = ["DropoutStep", "GlobalBatchSampler", "InvariantLoader", "KeyedSampleDataset", "SampleKey",
-           "dropout_step", "global_steps", "make_dropout_invariant", "rerun_dropout_step"]
+           "checkpoint_context", "dropout_step", "global_steps", "make_dropout_invariant", "rerun_dropout_step"]
 
 
 def global_steps(num_samples: int, batch_size: int, drop_last: bool) -> int:
@@ -295,6 +296,8 @@ class DropoutStep:
         epoch, step: the global batch.
         rows: the global batch's row count.
         offset, local: this rank's first row in it and its row count (0: a stand-in step).
+        calls: each layer's calls so far in the step (its ``n``-th call's mask is keyed by ``n``).
+        recomputing: a checkpointed segment run again in backward (:func:`checkpoint_context`).
     """
 
     root: int
@@ -304,6 +307,7 @@ class DropoutStep:
     offset: int
     local: int
     calls: collections.Counter[str] = None  # type: ignore[assignment]
+    recomputing: bool = False
 
     def __post_init__(self) -> None:
         if self.calls is None:
@@ -392,19 +396,60 @@ def _keep_mask(key: int, start: int, shape: tuple[int, ...], p: float, *, dtype:
     return mask
 
 
+def checkpoint_context() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False, context_fn=...)`` (or
+    ``checkpoint_wrapper(module, context_fn=...)``) around layers with world-size-invariant dropout: the segment's
+    recomputation in backward draws the masks its forward drew. A converted dropout layer run again in backward
+    without it raises instead of drawing new masks (silently wrong gradients)."""
+    snapshot: list[DropoutStep | None] = [None]
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:  # the step and its call counts where the segment starts
+        step = _STEP.get()
+        snapshot[0] = None if step is None else replace(step, calls=collections.Counter(step.calls), recomputing=True)
+        yield
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:  # (in backward, on whichever thread autograd runs it)
+        saved = snapshot[0]
+        token = _STEP.set(None if saved is None else replace(saved, calls=collections.Counter(saved.calls)))
+        try:
+            yield
+        finally:
+            _STEP.reset(token)
+
+    return forward(), recompute()
+
+
 class _InvariantDropout:
     """Mixed into a converted dropout layer's class (``make_dropout_invariant``)."""
 
     _lsync_name: str
     _lsync_channels: bool
+    _lsync_unbatched: int  # the input rank torch reads as one unbatched sample (Dropout1d: 2, Dropout3d: 4), or -1
     p: float
     inplace: bool
     training: bool
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 - torch's name
         step = _STEP.get()
-        if not self.training or self.p == 0.0 or step is None:
+        if not self.training or self.p == 0.0:
             return super().forward(input)  # type: ignore[misc, no-any-return]
+        if current_autograd_node() is not None and (step is None or not step.recomputing):
+            raise RuntimeError(
+                f"world_size_invariant=True: dropout layer {self._lsync_name!r} ran again during backward (activation "
+                "checkpointing recomputes it), where it must draw its forward's mask. Pass "
+                "context_fn=lightning_sync.invariance.checkpoint_context to torch.utils.checkpoint.checkpoint(..., "
+                "use_reentrant=False) (checkpoint_wrapper(module, context_fn=...) takes it too), or mark the layer "
+                f"`{self._lsync_name or 'layer'}.world_size_invariant = False` before fit to keep its per-rank dropout.")
+        if step is None:
+            return super().forward(input)  # type: ignore[misc, no-any-return]
+        if input.dim() == self._lsync_unbatched:
+            raise RuntimeError(
+                f"world_size_invariant=True: dropout layer {self._lsync_name!r} ({type(self).__bases__[1].__name__}) got "
+                f"a {input.dim()}-D input, which torch reads as one sample without a batch dimension, so its mask cannot "
+                "be taken from the global batch's. Give it a batch first (one more dimension), or mark the layer "
+                f"`{self._lsync_name or 'layer'}.world_size_invariant = False` before fit.")
         if step.local == 0:  # a stand-in step (its contribution is zero): any keyed mask does
             offset, local = 0, input.shape[0]
         else:
@@ -436,6 +481,7 @@ class _InvariantDropout:
 _CONVERTED: dict[type, type] = {}
 _PLAIN = (nn.Dropout,)
 _CHANNELS = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+_UNBATCHED = {nn.Dropout1d: 2, nn.Dropout3d: 4}  # (torch reads a 3-D input of Dropout2d as (N, C, L), with a warning)
 
 
 def _invariant_class(cls: type) -> type:
@@ -459,13 +505,14 @@ def make_dropout_invariant(module: nn.Module) -> tuple[list[str], list[str]]:
         elif getattr(layer, "world_size_invariant", True) is False:
             left.append(f"{name} (marked world_size_invariant = False)")
         elif type(layer) in _PLAIN or type(layer) in _CHANNELS:
-            channels = type(layer) in _CHANNELS
-            layer.__class__ = _invariant_class(type(layer))
+            kind = type(layer)
+            layer.__class__ = _invariant_class(kind)
             layer._lsync_name = name
-            layer._lsync_channels = channels
+            layer._lsync_channels = kind in _CHANNELS
+            layer._lsync_unbatched = _UNBATCHED.get(kind, -1)
             converted.append(name)
         elif isinstance(layer, (nn.AlphaDropout, nn.FeatureAlphaDropout)) and layer.p > 0:
-            left.append(name)
+            left.append(f"{name} ({type(layer).__name__}: no invariant form; remove it, or accept per-rank masks)")
         elif isinstance(layer, nn.MultiheadAttention) and layer.dropout > 0:
-            left.append(f"{name} (attention dropout)")
+            left.append(f"{name} (attention dropout: set `{name or 'layer'}.dropout = 0.0`)")
     return converted, left

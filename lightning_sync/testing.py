@@ -343,7 +343,8 @@ def _causes(runs: dict[int, list[dict[str, Any]]], ref_losses: dict[tuple[int, i
     left = next((rec["dropout_per_rank"] for _, _, rec in every if rec.get("dropout_per_rank")), None)
     if left:
         causes.append(f"dropout drawn per rank in {_names(left)} (only nn.Dropout and nn.Dropout1d/2d/3d layers key "
-                      "their masks by the global batch's rows). Fix: use those layers, or no dropout there.")
+                      "their masks by the global batch's rows). Fix: use those layers, or no dropout there (as said "
+                      "for each).")
     return causes
 
 

@@ -252,7 +252,8 @@ def test_two_ranks_on_one_gpu_over_gloo_with_cuda_tensors() -> None:
 
 def test_invariant_dropout_masks_on_cuda_are_the_cpu_ones() -> None:
     """World-size-invariant dropout hashes each element's place in the global batch with int64 arithmetic: the same
-    masks on CUDA as on CPU (wrapping multiplication, masked shifts), for any slice, in float32 and bfloat16."""
+    masks on CUDA as on CPU (wrapping multiplication, masked shifts), for any slice, in float32 and bfloat16; under
+    activation checkpointing the recomputation draws the forward's masks."""
     from lightning_sync.invariance import DropoutStep, _keep_mask, dropout_step, make_dropout_invariant
 
     for key in (0, -(1 << 63), 123456789123456789):
@@ -269,6 +270,25 @@ def test_invariant_dropout_masks_on_cuda_are_the_cpu_ones() -> None:
     layer.cpu()
     with dropout_step(DropoutStep(root=3, epoch=1, step=2, rows=12, offset=0, local=12)):
         assert torch.equal(layer(x.cpu()), whole.cpu())
+    # activation checkpointing: CUDA's backward runs on autograd's device thread, where the recomputation must still
+    # see the step (lightning_sync.invariance.checkpoint_context sets it there)
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_sync.invariance import checkpoint_context
+
+    block = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 1)).cuda()
+    make_dropout_invariant(block)
+    x = torch.randn(8, 6, device="cuda")
+    grads = []
+    for run in (block, lambda t: checkpoint(block, t, use_reentrant=False, context_fn=checkpoint_context)):
+        block.zero_grad()
+        with dropout_step(DropoutStep(root=1, epoch=0, step=5, rows=8, offset=0, local=8)):
+            run(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in block.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    with dropout_step(DropoutStep(root=1, epoch=0, step=5, rows=8, offset=0, local=8)), \
+            pytest.raises(RuntimeError, match="ran again during backward"):
+        checkpoint(block, x, use_reentrant=False).square().sum().backward()
 
 
 # ------------------------------------------------------------------ the Trainer on one GPU (NCCL)

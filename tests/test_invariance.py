@@ -10,7 +10,9 @@ the control (it differs); a resume on another world size continues the same glob
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -232,10 +234,76 @@ def test_a_dropout_input_without_the_batch_first_is_refused_and_layers_can_opt_o
     model = nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5), nn.AlphaDropout(0.2))
     model[1].world_size_invariant = False
     converted, left = make_dropout_invariant(model)
-    assert converted == ["0"] and left == ["1 (marked world_size_invariant = False)", "2"]
+    assert converted == ["0"] and left == ["1 (marked world_size_invariant = False)",
+                                           "2 (AlphaDropout: no invariant form; remove it, or accept per-rank masks)"]
     with dropout_step(DropoutStep(root=0, epoch=0, step=0, rows=8, offset=0, local=4)), \
             pytest.raises(RuntimeError, match=r"dropout layer '0' got an input of shape \(7, 4\).*batch_first"):
         model[0](torch.ones(7, 4))
+
+
+def test_unbatched_inputs_to_channel_dropout_are_refused_as_torch_reads_them() -> None:
+    model = nn.ModuleDict({"d1": nn.Dropout1d(0.5), "d2": nn.Dropout2d(0.5), "d3": nn.Dropout3d(0.5)})
+    make_dropout_invariant(model)
+    with dropout_step(DropoutStep(root=0, epoch=0, step=0, rows=8, offset=0, local=4)):
+        for name, shape in (("d1", (4, 6)), ("d3", (4, 2, 3, 3))):  # torch: one sample, (C, L) / (C, D, H, W)
+            with pytest.raises(RuntimeError, match=rf"'{name}' \(Dropout[13]d\) got a {len(shape)}-D input.*batch"):
+                model[name](torch.ones(shape))
+        assert model["d1"](torch.ones(4, 6, 5)).shape == (4, 6, 5)
+        out = model["d2"](torch.ones(4, 6, 5))  # torch reads a 3-D input of Dropout2d as (N, C, L) (and warns)
+        assert torch.equal(out.amin(-1), out.amax(-1)) and 0 < int((out == 0).sum()) < out.numel()
+
+
+def _grads(model: nn.Module, x: torch.Tensor, run: Any) -> list[torch.Tensor]:
+    model.zero_grad()
+    with dropout_step(DropoutStep(root=2, epoch=1, step=7, rows=6, offset=2, local=4)):
+        run(model, x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _capture(errors: list[BaseException], fn: Any) -> None:
+    try:
+        fn()
+    except BaseException as err:  # noqa: BLE001 - handed to the test's thread
+        errors.append(err)
+
+
+def test_activation_checkpointing_recomputes_the_forwards_masks_with_the_context_and_refuses_without() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_sync.invariance import checkpoint_context
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(5, 16), nn.Dropout(0.5), nn.ReLU())
+    model = nn.ModuleList([block, nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 1)])
+    make_dropout_invariant(model)
+
+    def plain(m: nn.Module, x: torch.Tensor) -> torch.Tensor:  # block twice (shared weights and dropout layer)
+        h = m[1](m[0](x))
+        return m[3](m[2](m[0](h[:, :5]) + h))
+
+    def segments(m: nn.Module, x: torch.Tensor) -> torch.Tensor:  # two segments, one of them holding both calls
+        h = checkpoint(lambda t: m[1](m[0](t)), x, use_reentrant=False, context_fn=checkpoint_context)
+        h = checkpoint(lambda t: m[2](m[0](t[:, :5]) + t), h, use_reentrant=False, context_fn=checkpoint_context)
+        return m[3](h)
+
+    x = torch.randn(4, 5)
+    expected = _grads(model, x, plain)
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model, x, segments), expected))
+    wrapped = nn.ModuleList([checkpoint_wrapper(block, context_fn=checkpoint_context), *model[1:]])
+    assert all(torch.equal(a, b) for a, b in zip(_grads(wrapped, x, plain), expected))
+    # backward on another thread (as CUDA's autograd device threads run it): the step is not in that thread's context
+    model.zero_grad()
+    with dropout_step(DropoutStep(root=2, epoch=1, step=7, rows=6, offset=2, local=4)):
+        loss = segments(model, x).square().sum()
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _capture(errors, loss.backward))
+    thread.start()
+    thread.join(60)
+    assert not errors and all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
+    for reentrant in (False, True):  # without the context: an error, not new masks
+        with pytest.raises(RuntimeError, match=r"dropout layer '0.1' ran again during backward.*context_fn="):
+            _grads(model, x.clone().requires_grad_(), lambda m, t: m[3](checkpoint(m[0], t, use_reentrant=reentrant)))
 
 
 # ---------------------------------------------------------------- the loader checks

@@ -237,7 +237,8 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "torch._C._distributed_c10d._register_process_group",
                "the collective guard watches the default group (lightning_sync.guard.group)", _can_replace_group),
     TouchPoint("torch.distributed._Work (Python subclass), torch._C._current_autograd_node, the c10d modules",
-               "the watched group's sliced waits and its reading of who issued a collective",
+               "the watched group's sliced waits and its reading of who issued a collective; invariant dropout "
+               "telling a recomputation in backward (activation checkpointing) from a forward",
                lambda: WorkBase is not None and current_autograd_node is not _no_autograd_node
                and current_autograd_node() is None
                and all(__import__(m, fromlist=["_"]) is not None for m in C10D_MODULES)),

@@ -310,12 +310,22 @@ def _causes(runs: dict[int, list[dict[str, Any]]], ref_losses: dict[tuple[int, i
         causes.append(f"BatchNorm layers without synchronised statistics ({_names(bn)}): each rank normalises by "
                       "its own slice of the batch. Fix: Trainer(sync_batchnorm=True) (or "
                       "lightning_sync.convert_sync_batchnorm(model)).")
-    drawn = sorted({step for _, _, rec in every for step in rec.get("global_rng_steps", [])})
-    if drawn:
-        causes.append(f"the training step drew from the global random generators (torch/numpy/random) at step(s) "
-                      f"{_names([str(s) for s in drawn])}: those numbers come from each rank's own stream (e.g. "
-                      "torch.rand in training_step, F.dropout called directly, a dropout layer left per rank). Fix: "
-                      "draw per-sample randomness in Dataset.__getitem__ (keyed by the sample under "
+    draws = [d for _, _, rec in every for d in rec.get("global_rng", [])]
+    if draws:
+        steps = sorted({d["step"] for d in draws})
+        generators = [g for g in ("torch", "numpy", "random") if any(g in d["generators"] for d in draws)]
+        modules = sorted({m for d in draws for m in d["modules"]})
+        where = [f"torch's in the forward of {_names(modules)} (F.dropout, torch.rand or a dropout layer left per rank "
+                 "there)"] if modules else []
+        if any("torch" in d["generators"] and not d["modules"] for d in draws):
+            where.append("torch's in training_step itself, outside any submodule's forward (e.g. torch.rand or "
+                         "torch.randn_like there)")
+        other = [f"{g}'s" for g in ("numpy", "random") if g in generators]
+        if other:
+            where.append(f"{' and '.join(other)} (np.random or random calls in training_step or a forward)")
+        causes.append(f"the training step drew from the global random generators ({'/'.join(generators)}) at step(s) "
+                      f"{_names([str(s) for s in steps])}: {'; '.join(where)}. Those numbers come from each rank's own "
+                      "stream. Fix: draw per-sample randomness in Dataset.__getitem__ (keyed by the sample under "
                       "world_size_invariant=True) and use nn.Dropout layers.")
     first = next(iter(ref_losses), None)
     for n, recs in runs.items():
@@ -382,15 +392,52 @@ def _resolve(spec: str) -> Any:
     return obj
 
 
-def _rng_fingerprint() -> bytes:
+def _rng_fingerprints() -> dict[str, bytes]:
+    """A digest of each global generator's state: torch's CPU one, numpy's and ``random``'s."""
     import numpy as np
     import torch
 
-    digest = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=16)
-    digest.update(repr(random.getstate()).encode())
     state: Any = np.random.get_state(legacy=True)
-    digest.update(np.asarray(state[1]).tobytes() + str(state[2]).encode())
-    return digest.digest()
+    return {"torch": hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=16).digest(),
+            "numpy": hashlib.blake2b(np.asarray(state[1]).tobytes() + str(state[2:]).encode(), digest_size=16).digest(),
+            "random": hashlib.blake2b(repr(random.getstate()).encode(), digest_size=16).digest()}
+
+
+class _ForwardDraws:
+    """Forward hooks on every submodule that note which ones' forward moved torch's global CPU generator (the
+    innermost of nested ones are the callers to name)."""
+
+    def __init__(self, module: Any) -> None:
+        import torch
+
+        self._torch = torch
+        self._stack: list[Any] = []
+        self.names: set[str] = set()
+        self._handles: list[Any] = []
+        for name, sub in module.named_modules():
+            if name:
+                self._handles.append(sub.register_forward_pre_hook(self._enter))
+                self._handles.append(sub.register_forward_hook(self._leave(name)))
+
+    def _enter(self, module: Any, args: Any) -> None:
+        self._stack.append(self._torch.default_generator.get_state())
+
+    def _leave(self, name: str) -> Callable[..., None]:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            if self._stack and not self._torch.equal(self._stack.pop(), self._torch.default_generator.get_state()):
+                self.names.add(name)
+        return hook
+
+    def take(self) -> list[str]:
+        """The innermost submodules whose forward drew since the last call."""
+        names = sorted(n for n in self.names if not any(o.startswith(n + ".") for o in self.names))
+        self.names.clear()
+        self._stack.clear()
+        return names
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 def _recorder(record: dict[str, Any]) -> Any:
@@ -403,15 +450,19 @@ def _recorder(record: dict[str, Any]) -> Any:
 
     class Recorder(pl.Callback):
         def __init__(self) -> None:
-            self._rng = b""
+            self._rng: dict[str, bytes] = {}
+            self._forward: _ForwardDraws | None = None
 
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             record["batchnorm_per_rank"] = per_rank_batchnorm(pl_module)
             record["dropout_per_rank"] = make_dropout_invariant(pl_module)[1]  # already converted: only reads
+            self._forward = _ForwardDraws(pl_module)
 
         def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                                  batch_idx: int) -> None:
-            self._rng = _rng_fingerprint()
+            self._rng = _rng_fingerprints()
+            if self._forward is not None:
+                self._forward.take()
 
         def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                      optimizer: Any) -> None:
@@ -426,12 +477,18 @@ def _recorder(record: dict[str, Any]) -> Any:
             rows = part.loader.plan.sizes(batch_idx)[part.loader.plan.rank] if part is not None and part.loader else 0
             if isinstance(loss, torch.Tensor):
                 record["losses"].append((trainer.current_epoch, batch_idx, float(loss.detach()), rows))
-            if _rng_fingerprint() != self._rng:
-                record["global_rng_steps"].append(len(record["losses"]) - 1)
+            now = _rng_fingerprints()
+            moved = [name for name, digest in now.items() if self._rng.get(name) != digest]
+            inside = self._forward.take() if self._forward is not None else []
+            if moved:
+                record["global_rng"].append({"step": len(record["losses"]) - 1, "generators": moved,
+                                             "modules": inside if "torch" in moved else []})
             record["step_metrics"].append({k: float(v) for k, v in trainer.callback_metrics.items()
                                            if isinstance(v, torch.Tensor) and v.numel() == 1})
 
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if self._forward is not None:
+                self._forward.remove()
             if trainer.global_rank == 0:
                 record["weights"] = {k: v.detach().double().cpu() for k, v in pl_module.state_dict().items()
                                      if v.is_floating_point()}
@@ -445,7 +502,7 @@ def _child(out: Path) -> int:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
-    record: dict[str, Any] = {"losses": [], "grad_norms": [], "global_rng_steps": [], "metrics": {},
+    record: dict[str, Any] = {"losses": [], "grad_norms": [], "global_rng": [], "metrics": {},
                               "step_metrics": []}
     try:
         import lightning.pytorch as pl

@@ -81,6 +81,17 @@ def own_noise() -> Model:
     return _OwnNoise()
 
 
+class _Jitter(nn.Module):
+    def forward(self, x):
+        return nn.functional.dropout(x, 0.2, training=self.training)  # drawn from each rank's own stream
+
+
+def forward_noise() -> Model:
+    model = Model()
+    model.net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), _Jitter(), nn.Linear(16, 1))
+    return model
+
+
 def summed_loss() -> Model:
     return _Summed()
 

@@ -434,6 +434,18 @@ CASES = "tests.invariance_cases"
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_gradient_accumulation_and_clipping_keep_the_one_process_model() -> None:
+    # 8 optimizer steps of 3 global batches of 12 (17 an epoch: an accumulation cut short at the epoch's end), the
+    # gradient norm clipped to 0.05 (below the norms here: every step clipped), per-step losses of every micro-batch
+    from lightning_sync.testing import check_world_size_invariance
+
+    report = check_world_size_invariance(f"{CASES}:good", f"{CASES}:train_loader", world_sizes=(1, 2), max_steps=8,
+                                         sync_batchnorm=True, accumulate_grad_batches=3, gradient_clip_val=0.05)
+    assert report.ok and max(report.gaps[2].values()) < 1e-5, report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_the_checker_passes_an_invariant_module_with_validation(tmp_path: Path) -> None:
     # 203 samples in global batches of 12: step 16 splits 11 samples 6/5 (the loss and the per-step
     # sync_dist mean weighted by the slices), then the second epoch

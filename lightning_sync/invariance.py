@@ -368,6 +368,8 @@ def _mask_key(root: int, epoch: int, step: int, layer: str, call: int) -> int:
     return _signed64(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little"))
 
 
+@torch.compiler.disable  # (eager under torch.compile: Inductor folds the wrapping int64 products as unbounded
+#                          integers and fails: "too big to convert to int64_t")
 def _keep_mask(key: int, start: int, shape: tuple[int, ...], p: float, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str | None = None) -> Tensor:
     """The keep mask (1 kept, 0 dropped, in ``dtype``) of elements ``start, start + 1, ...`` (row-major over

@@ -241,6 +241,27 @@ def test_a_dropout_input_without_the_batch_first_is_refused_and_layers_can_opt_o
         model[0](torch.ones(7, 4))
 
 
+@pytest.mark.slow  # Inductor's compile: ~15 s
+@pytest.mark.timeout(300)
+def test_torch_compile_of_a_model_with_invariant_dropout_draws_eagers_masks() -> None:
+    # Inductor folded the hash's wrapping int64 products as unbounded integers ("too big to convert to int64_t"):
+    # the mask is computed eagerly (torch.compiler.disable), the step read at every call, not frozen in a graph
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.3), nn.ReLU(), nn.Linear(32, 1))
+    make_dropout_invariant(model)
+    compiled = torch.compile(model)
+    x = torch.randn(6, 8)
+    for step, offset in ((3, 6), (3, 0), (4, 6)):
+        grads = []
+        for run in (model, compiled):
+            model.zero_grad()
+            with dropout_step(DropoutStep(root=1, epoch=0, step=step, rows=12, offset=offset, local=6)):
+                out = run(x)
+            out.square().sum().backward()
+            grads.append([out.detach(), *(p.grad.clone() for p in model.parameters())])
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), (step, offset)
+
+
 def test_unbatched_inputs_to_channel_dropout_are_refused_as_torch_reads_them() -> None:
     model = nn.ModuleDict({"d1": nn.Dropout1d(0.5), "d2": nn.Dropout2d(0.5), "d3": nn.Dropout3d(0.5)})
     make_dropout_invariant(model)

@@ -38,9 +38,9 @@ import contextvars
 import hashlib
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -368,8 +368,6 @@ def _mask_key(root: int, epoch: int, step: int, layer: str, call: int) -> int:
     return _signed64(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little"))
 
 
-@torch.compiler.disable  # (eager under torch.compile: Inductor folds the wrapping int64 products as unbounded
-#                          integers and fails: "too big to convert to int64_t")
 def _keep_mask(key: int, start: int, shape: tuple[int, ...], p: float, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str | None = None) -> Tensor:
     """The keep mask (1 kept, 0 dropped, in ``dtype``) of elements ``start, start + 1, ...`` (row-major over
@@ -423,6 +421,11 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager[None], conte
     return forward(), recompute()
 
 
+# eager under torch.compile: Inductor folds the hash's wrapping int64 products as unbounded integers and fails
+# ("too big to convert to int64_t")
+_keep_mask_eager = cast(Callable[..., Tensor], torch.compiler.disable(_keep_mask))  # type: ignore[no-untyped-call]
+
+
 class _InvariantDropout:
     """Mixed into a converted dropout layer's class (``make_dropout_invariant``)."""
 
@@ -439,18 +442,20 @@ class _InvariantDropout:
             return super().forward(input)  # type: ignore[misc, no-any-return]
         if current_autograd_node() is not None and (step is None or not step.recomputing):
             raise RuntimeError(
-                f"world_size_invariant=True: dropout layer {self._lsync_name!r} ran again during backward (activation "
-                "checkpointing recomputes it), where it must draw its forward's mask. Pass "
+                f"world_size_invariant=True: dropout layer {self._lsync_name!r} ran again during backward "
+                "(activation checkpointing recomputes it), where it must draw its forward's mask. Pass "
                 "context_fn=lightning_sync.invariance.checkpoint_context to torch.utils.checkpoint.checkpoint(..., "
                 "use_reentrant=False) (checkpoint_wrapper(module, context_fn=...) takes it too), or mark the layer "
-                f"`{self._lsync_name or 'layer'}.world_size_invariant = False` before fit to keep its per-rank dropout.")
+                f"`{self._lsync_name or 'layer'}.world_size_invariant = False` before fit to keep its per-rank "
+                "dropout.")
         if step is None:
             return super().forward(input)  # type: ignore[misc, no-any-return]
         if input.dim() == self._lsync_unbatched:
             raise RuntimeError(
-                f"world_size_invariant=True: dropout layer {self._lsync_name!r} ({type(self).__bases__[1].__name__}) got "
-                f"a {input.dim()}-D input, which torch reads as one sample without a batch dimension, so its mask cannot "
-                "be taken from the global batch's. Give it a batch first (one more dimension), or mark the layer "
+                f"world_size_invariant=True: dropout layer {self._lsync_name!r} "
+                f"({type(self).__bases__[1].__name__}) got a {input.dim()}-D input, which torch reads as one sample "
+                "without a batch dimension, so its mask cannot be taken from the global batch's. Give it a batch "
+                "first (one more dimension), or mark the layer "
                 f"`{self._lsync_name or 'layer'}.world_size_invariant = False` before fit.")
         if step.local == 0:  # a stand-in step (its contribution is zero): any keyed mask does
             offset, local = 0, input.shape[0]
@@ -475,7 +480,7 @@ class _InvariantDropout:
             mask = torch.zeros(shape, dtype=input.dtype, device=input.device)
         else:
             key = _mask_key(step.root, step.epoch, step.step, self._lsync_name, call)
-            mask = _keep_mask(key, offset * row, shape, self.p, dtype=input.dtype, device=input.device)
+            mask = _keep_mask_eager(key, offset * row, shape, self.p, dtype=input.dtype, device=input.device)
             mask.div_(1.0 - self.p)
         return input.mul_(mask) if self.inplace else input * mask
 

@@ -421,15 +421,11 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager[None], conte
     return forward(), recompute()
 
 
-# eager under torch.compile: Inductor folds the hash's wrapping int64 products as unbounded integers and fails
-# ("too big to convert to int64_t")
-_keep_mask_eager = cast(Callable[..., Tensor], torch.compiler.disable(_keep_mask))  # type: ignore[no-untyped-call]
-
-
 class _InvariantDropout:
     """Mixed into a converted dropout layer's class (``make_dropout_invariant``)."""
 
-    _lsync_name: str
+    _lsync_name: str  # its path in the module it was converted in (messages)
+    _lsync_key: str  # that path without wrappers' own levels (torch.compile's, checkpoint_wrapper's): the mask key
     _lsync_channels: bool
     _lsync_unbatched: int  # the input rank torch reads as one unbatched sample (Dropout1d: 2, Dropout3d: 4), or -1
     p: float
@@ -437,52 +433,70 @@ class _InvariantDropout:
     training: bool
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 - torch's name
-        step = _STEP.get()
         if not self.training or self.p == 0.0:
             return super().forward(input)  # type: ignore[misc, no-any-return]
-        if current_autograd_node() is not None and (step is None or not step.recomputing):
-            raise RuntimeError(
-                f"world_size_invariant=True: dropout layer {self._lsync_name!r} ran again during backward "
-                "(activation checkpointing recomputes it), where it must draw its forward's mask. Pass "
-                "context_fn=lightning_sync.invariance.checkpoint_context to torch.utils.checkpoint.checkpoint(..., "
-                "use_reentrant=False) (checkpoint_wrapper(module, context_fn=...) takes it too), or mark the layer "
-                f"`{self._lsync_name or 'layer'}.world_size_invariant = False` before fit to keep its per-rank "
-                "dropout.")
-        if step is None:
+        mask = _step_mask_eager(self, input)
+        if mask is None:  # no training step runs (a loop of the user's own)
             return super().forward(input)  # type: ignore[misc, no-any-return]
-        if input.dim() == self._lsync_unbatched:
-            raise RuntimeError(
-                f"world_size_invariant=True: dropout layer {self._lsync_name!r} "
-                f"({type(self).__bases__[1].__name__}) got a {input.dim()}-D input, which torch reads as one sample "
-                "without a batch dimension, so its mask cannot be taken from the global batch's. Give it a batch "
-                "first (one more dimension), or mark the layer "
-                f"`{self._lsync_name or 'layer'}.world_size_invariant = False` before fit.")
-        if step.local == 0:  # a stand-in step (its contribution is zero): any keyed mask does
-            offset, local = 0, input.shape[0]
-        else:
-            offset, local = step.offset, step.local
-        if input.dim() == 0 or input.shape[0] != local:
-            raise RuntimeError(
-                f"world_size_invariant=True: dropout layer {self._lsync_name!r} got an input of shape "
-                f"{tuple(input.shape)} whose first dimension is not this rank's batch of {step.local} rows, so its "
-                "mask cannot be taken from the global batch's. Put the batch first (batch_first=True), or mark the layer "
-                f"`{self._lsync_name or 'layer'}.world_size_invariant = False` before fit to keep its per-rank dropout "
-                "(its masks then depend on the number of ranks).")
-        calls = step.calls
-        call = calls[self._lsync_name]
-        calls[self._lsync_name] = call + 1
-        if self._lsync_channels:  # Dropout1d/2d/3d: one draw per (sample, channel)
-            shape = (local, input.shape[1], *([1] * (input.dim() - 2)))
-        else:
-            shape = (local, *input.shape[1:])
-        row = math.prod(shape[1:])
-        if self.p == 1.0:
-            mask = torch.zeros(shape, dtype=input.dtype, device=input.device)
-        else:
-            key = _mask_key(step.root, step.epoch, step.step, self._lsync_name, call)
-            mask = _keep_mask_eager(key, offset * row, shape, self.p, dtype=input.dtype, device=input.device)
-            mask.div_(1.0 - self.p)
         return input.mul_(mask) if self.inplace else input * mask
+
+
+def _step_mask(layer: _InvariantDropout, input: Tensor) -> Tensor | None:  # noqa: A002 - torch's name
+    """The mask ``layer`` applies in the running step (None: no step runs), scaled by ``1 / (1 - p)``."""
+    step = _STEP.get()
+    name = layer._lsync_name
+    opt_out = f"`model.get_submodule({name!r}).world_size_invariant = False`"
+    if current_autograd_node() is not None and (step is None or not step.recomputing):
+        raise RuntimeError(
+            f"world_size_invariant=True: dropout layer {name!r} ran again during backward (activation checkpointing "
+            "recomputes it), where it must draw its forward's mask. Pass "
+            "context_fn=lightning_sync.invariance.checkpoint_context to torch.utils.checkpoint.checkpoint(..., "
+            "use_reentrant=False) (checkpoint_wrapper(module, context_fn=...) takes it too), or set "
+            f"{opt_out} before fit to keep its per-rank dropout.")
+    if step is None:
+        return None
+    if input.dim() == layer._lsync_unbatched:
+        raise RuntimeError(
+            f"world_size_invariant=True: dropout layer {name!r} ({type(layer).__bases__[1].__name__}) got a "
+            f"{input.dim()}-D input, which torch reads as one sample without a batch dimension, so its mask cannot "
+            f"be taken from the global batch's. Give it a batch first (one more dimension), or set {opt_out} before "
+            "fit.")
+    if step.local == 0:  # a stand-in step (its contribution is zero): any keyed mask does
+        offset, local = 0, input.shape[0]
+    else:
+        offset, local = step.offset, step.local
+    if input.dim() == 0 or input.shape[0] != local:
+        raise RuntimeError(
+            f"world_size_invariant=True: dropout layer {name!r} got an input of shape {tuple(input.shape)} whose "
+            f"first dimension is not this rank's batch of {step.local} rows, so its mask cannot be taken from the "
+            f"global batch's. Put the batch first (batch_first=True), or set {opt_out} before fit to keep its "
+            "per-rank dropout (its masks then depend on the number of ranks).")
+    key_name = layer._lsync_key
+    call = step.calls[key_name]
+    step.calls[key_name] = call + 1
+    if layer._lsync_channels:  # Dropout1d/2d/3d: one draw per (sample, channel)
+        shape = (local, input.shape[1], *([1] * (input.dim() - 2)))
+    else:
+        shape = (local, *input.shape[1:])
+    if layer.p == 1.0:
+        return torch.zeros(shape, dtype=input.dtype, device=input.device)
+    key = _mask_key(step.root, step.epoch, step.step, key_name, call)
+    mask = _keep_mask(key, offset * math.prod(shape[1:]), shape, layer.p, dtype=input.dtype, device=input.device)
+    return mask.div_(1.0 - layer.p)
+
+
+# Eager under torch.compile (one graph break a layer): Inductor folds the hash's wrapping int64 products as unbounded
+# integers and fails ("too big to convert to int64_t"), and Dynamo would guard on the step's call counts (a
+# recompilation every step until its limit)
+_step_mask_eager = cast(Callable[[_InvariantDropout, Tensor], "Tensor | None"],
+                        torch.compiler.disable(_step_mask))  # type: ignore[no-untyped-call]
+
+# levels wrappers add to a module's path: the mask key is the path of the unwrapped model
+_WRAPPER_LEVELS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def _key_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_LEVELS)
 
 
 _CONVERTED: dict[type, type] = {}
@@ -515,6 +529,7 @@ def make_dropout_invariant(module: nn.Module) -> tuple[list[str], list[str]]:
             kind = type(layer)
             layer.__class__ = _invariant_class(kind)
             layer._lsync_name = name
+            layer._lsync_key = _key_name(name)
             layer._lsync_channels = kind in _CHANNELS
             layer._lsync_unbatched = _UNBATCHED.get(kind, -1)
             converted.append(name)

@@ -260,6 +260,35 @@ def test_torch_compile_of_a_model_with_invariant_dropout_draws_eagers_masks() ->
             out.square().sum().backward()
             grads.append([out.detach(), *(p.grad.clone() for p in model.parameters())])
         assert all(torch.equal(a, b) for a, b in zip(*grads)), (step, offset)
+    # the step is read outside the graphs: later steps, other call counts, no recompilation
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(5, 12):
+            with dropout_step(DropoutStep(root=1, epoch=0, step=step, rows=12, offset=6, local=6)):
+                for _ in range(step % 3 + 1):
+                    compiled(x)
+
+
+def test_masks_are_keyed_by_the_unwrapped_models_layer_names() -> None:
+    # torch.compile and checkpoint_wrapper put a level into the path ("_orig_mod", "_checkpoint_wrapped_module"):
+    # a model wrapped before conversion draws the masks of the same model unwrapped
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from lightning_sync.invariance import checkpoint_context
+
+    def model(wrap: Any) -> nn.Module:
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5))
+        return nn.Sequential(wrap(block), nn.Dropout(0.5), nn.Linear(32, 1))
+
+    x = torch.randn(6, 8)
+    outs = []
+    for wrap in (lambda m: m, lambda m: torch.compile(m, backend="eager"),
+                 lambda m: checkpoint_wrapper(m, context_fn=checkpoint_context)):
+        m = model(wrap)
+        make_dropout_invariant(m)
+        with dropout_step(DropoutStep(root=4, epoch=0, step=2, rows=9, offset=3, local=6)):
+            outs.append(m(x))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_unbatched_inputs_to_channel_dropout_are_refused_as_torch_reads_them() -> None:

@@ -441,26 +441,29 @@ class _InvariantDropout:
         return input.mul_(mask) if self.inplace else input * mask
 
 
+def _opt_out(name: str) -> str:
+    return f"`model.get_submodule({name!r}).world_size_invariant = False`"
+
+
 def _step_mask(layer: _InvariantDropout, input: Tensor) -> Tensor | None:  # noqa: A002 - torch's name
     """The mask ``layer`` applies in the running step (None: no step runs), scaled by ``1 / (1 - p)``."""
     step = _STEP.get()
     name = layer._lsync_name
-    opt_out = f"`model.get_submodule({name!r}).world_size_invariant = False`"
     if current_autograd_node() is not None and (step is None or not step.recomputing):
         raise RuntimeError(
             f"world_size_invariant=True: dropout layer {name!r} ran again during backward (activation checkpointing "
             "recomputes it), where it must draw its forward's mask. Pass "
             "context_fn=lightning_sync.invariance.checkpoint_context to torch.utils.checkpoint.checkpoint(..., "
             "use_reentrant=False) (checkpoint_wrapper(module, context_fn=...) takes it too), or set "
-            f"{opt_out} before fit to keep its per-rank dropout.")
+            f"{_opt_out(name)} before fit to keep its per-rank dropout.")
     if step is None:
         return None
     if input.dim() == layer._lsync_unbatched:
         raise RuntimeError(
             f"world_size_invariant=True: dropout layer {name!r} ({type(layer).__bases__[1].__name__}) got a "
             f"{input.dim()}-D input, which torch reads as one sample without a batch dimension, so its mask cannot "
-            f"be taken from the global batch's. Give it a batch first (one more dimension), or set {opt_out} before "
-            "fit.")
+            f"be taken from the global batch's. Give it a batch first (one more dimension), or set {_opt_out(name)} "
+            "before fit.")
     if step.local == 0:  # a stand-in step (its contribution is zero): any keyed mask does
         offset, local = 0, input.shape[0]
     else:
@@ -469,7 +472,7 @@ def _step_mask(layer: _InvariantDropout, input: Tensor) -> Tensor | None:  # noq
         raise RuntimeError(
             f"world_size_invariant=True: dropout layer {name!r} got an input of shape {tuple(input.shape)} whose "
             f"first dimension is not this rank's batch of {step.local} rows, so its mask cannot be taken from the "
-            f"global batch's. Put the batch first (batch_first=True), or set {opt_out} before fit to keep its "
+            f"global batch's. Put the batch first (batch_first=True), or set {_opt_out(name)} before fit to keep its "
             "per-rank dropout (its masks then depend on the number of ranks).")
     key_name = layer._lsync_key
     call = step.calls[key_name]

@@ -53,8 +53,8 @@ class WorldSizeInvariantPart(Part):
         if left and strategy.global_rank == 0:
             warnings.warn(
                 f"world_size_invariant=True: the dropout of {', '.join(left[:5])}{', ...' if len(left) > 5 else ''} "
-                "is drawn per rank (only nn.Dropout and nn.Dropout1d/2d/3d layers key their masks by the global batch's rows): "
-                "training with it depends on the number of ranks.", stacklevel=2)
+                "is drawn per rank (only nn.Dropout and nn.Dropout1d/2d/3d layers key their masks by the global "
+                "batch's rows): training with it depends on the number of ranks.", stacklevel=2)
 
     def callbacks(self, strategy: Any) -> tuple[pl.Callback, ...]:
         return (_InvariantSteps(self, strategy),)

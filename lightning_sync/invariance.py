@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
-import hashlib
 import math
 import random
 from collections.abc import Callable, Iterator
@@ -49,7 +48,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_sync._compat.torch_api import current_autograd_node
 from lightning_sync.joining import StepShare
 from lightning_sync.sampling import EpochOrder, shard_sizes, shuffle_order
-from lightning_sync.seeding import derive_seed, derive_seeds
+from lightning_sync.seeding import derive_key64, derive_seed, derive_seeds
 
 __all__ = ["DropoutStep", "GlobalBatchSampler", "InvariantLoader", "KeyedSampleDataset", "SampleKey",
            "checkpoint_context", "dropout_step", "global_steps", "make_dropout_invariant", "rerun_dropout_step"]
@@ -363,11 +362,6 @@ _CHUNK = {"cpu": 1 << 16}
 _CHUNK_OTHER = 1 << 22
 
 
-def _mask_key(root: int, epoch: int, step: int, layer: str, call: int) -> int:
-    text = f"{root}:dropout:{epoch}:{step}:{layer}:{call}".encode()
-    return _signed64(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little"))
-
-
 def _keep_mask(key: int, start: int, shape: tuple[int, ...], p: float, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str | None = None) -> Tensor:
     """The keep mask (1 kept, 0 dropped, in ``dtype``) of elements ``start, start + 1, ...`` (row-major over
@@ -483,7 +477,7 @@ def _step_mask(layer: _InvariantDropout, input: Tensor) -> Tensor | None:  # noq
         shape = (local, *input.shape[1:])
     if layer.p == 1.0:
         return torch.zeros(shape, dtype=input.dtype, device=input.device)
-    key = _mask_key(step.root, step.epoch, step.step, key_name, call)
+    key = _signed64(derive_key64(step.root, "dropout", step.epoch, step.step, key_name, call))
     mask = _keep_mask(key, offset * math.prod(shape[1:]), shape, layer.p, dtype=input.dtype, device=input.device)
     return mask.div_(1.0 - layer.p)
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from lightning_sync.collectives import MAX_SEED, broadcast_seed, gather_objects, is_distributed
 
-__all__ = ["SeedLineage", "derive_seed", "derive_seeds", "seed_everything_local", "WorkerSeeder"]
+__all__ = ["SeedLineage", "derive_key64", "derive_seed", "derive_seeds", "seed_everything_local", "WorkerSeeder"]
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,14 @@ def derive_seed(root: int, *path: int | str) -> int:
     A cryptographic hash, so neighbouring ranks or workers get unrelated streams (``root + rank``
     would make rank 1 of seed 41 replay rank 0 of seed 42).
     """
+    return derive_key64(root, *path) & MAX_SEED
+
+
+def derive_key64(root: int, *path: int | str) -> int:
+    """The 64-bit hash ``derive_seed`` keeps the low 32 bits of (``[0, 2**64 - 1]``): a key for a counter-based
+    stream, where 32 bits would leave too few distinct streams."""
     text = ":".join([str(root), *map(str, path)]).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & MAX_SEED
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
 def derive_seeds(root: int, *path: int | str) -> Callable[[int | str], int]:

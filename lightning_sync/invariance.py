@@ -16,7 +16,9 @@ run's step, split:
 * **per-sample randomness** (:class:`KeyedSampleDataset`): torch's, numpy's and ``random``'s global
   generators are seeded from ``(root seed, epoch, sample index)`` before each ``dataset[i]``, in the main
   process (torch's stream put back afterwards) or in any worker: an augmentation drawn in
-  ``__getitem__`` is the same whichever rank or worker loads the sample.
+  ``__getitem__`` is the same whichever rank or worker loads the sample. A data set whose class says
+  ``keyed_generators = ("torch",)`` has only those seeded (:func:`keyed_generators`: a third of the
+  cost).
 * **dropout** (:func:`make_dropout_invariant`): an ``nn.Dropout``/``Dropout1d/2d/3d`` layer in training
   computes the mask of this rank's rows only, each element's draw a counter-based hash (SplitMix64) of its
   index in the global batch's mask and a key of ``(root, epoch, step, layer, call)``: the mask a sample gets
@@ -35,7 +37,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import hashlib
 import math
+import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -50,8 +54,9 @@ from lightning_sync.joining import StepShare
 from lightning_sync.sampling import EpochOrder, shard_sizes, shuffle_order
 from lightning_sync.seeding import derive_key64, derive_seed, derive_seeds
 
-__all__ = ["DropoutStep", "GlobalBatchSampler", "InvariantLoader", "KeyedSampleDataset", "SampleKey",
-           "checkpoint_context", "dropout_step", "global_steps", "make_dropout_invariant", "rerun_dropout_step"]
+__all__ = ["GENERATORS", "DropoutStep", "GlobalBatchSampler", "InvariantLoader", "KeyedSampleDataset", "SampleKey",
+           "checkpoint_context", "dropout_step", "global_steps", "keyed_generators", "make_dropout_invariant",
+           "rerun_dropout_step"]
 
 
 def global_steps(num_samples: int, batch_size: int, drop_last: bool) -> int:
@@ -206,6 +211,44 @@ class InvariantLoader(DataLoader):  # type: ignore[type-arg]
             yield batch
 
 
+#: The global generators :class:`KeyedSampleDataset` can seed before each sample (all of them by default).
+GENERATORS = ("torch", "numpy", "random")
+
+#: Set by :func:`lightning_sync.testing.check_world_size_invariance` in its runs: a directory where each loading
+#: process notes the samples that drew from a generator their data set's ``keyed_generators`` leaves unkeyed.
+CHECK_DRAWS_ENV = "LSYNC_CHECK_SAMPLE_DRAWS"
+
+
+def keyed_generators(dataset: Any) -> tuple[str, ...]:
+    """The global generators seeded before each of ``dataset``'s samples: its ``keyed_generators`` attribute (a
+    subset of ``("torch", "numpy", "random")``, in any order) where it has one, else those of the data set a
+    ``Subset`` takes from, the union of a ``ConcatDataset``'s, else all three.
+
+    Raises:
+        ValueError: an attribute that is not a collection of those names.
+    """
+    declared = getattr(dataset, "keyed_generators", None)
+    if declared is None:
+        if isinstance(dataset, torch.utils.data.Subset):
+            return keyed_generators(dataset.dataset)
+        if isinstance(dataset, torch.utils.data.ConcatDataset):
+            union = {name for part in dataset.datasets for name in keyed_generators(part)}
+            return tuple(name for name in GENERATORS if name in union)
+        return GENERATORS
+    names = [declared] if isinstance(declared, str) else declared
+    try:
+        wanted = set(names)
+    except TypeError:
+        wanted = {declared}
+    unknown = sorted(str(name) for name in wanted if name not in GENERATORS)
+    if unknown or isinstance(declared, str):
+        raise ValueError(
+            f"world_size_invariant=True: {type(dataset).__name__}.keyed_generators = {declared!r}: give a tuple of "
+            f"the global generators its __getitem__ draws from, out of {GENERATORS!r} (e.g. ('torch',)), or remove "
+            "the attribute to key all three.")
+    return tuple(name for name in GENERATORS if name in wanted)
+
+
 class KeyedSampleDataset(Dataset[Any]):
     """Wraps a map-style data set: ``dataset[SampleKey(epoch, i)]`` is ``dataset[i]`` drawn with torch's, numpy's
     and ``random``'s global generators seeded from ``derive_seed(root, "sample", epoch, i)``.
@@ -219,12 +262,17 @@ class KeyedSampleDataset(Dataset[Any]):
 
     Every generator is seeded before every sample, whether the sample draws from it or not: a check after the
     sample (did the state move?) would miss a sample that puts the state back (Lightning's ``isolate_rng``), and a
-    sample drawn again once the check failed would keep what its first, unkeyed draw cached.
+    sample drawn again once the check failed would keep what its first, unkeyed draw cached. Seeding all three costs
+    ~17 us a sample between samples' own work (~8 in isolation: ``random`` 4.5, numpy 2, torch 1.35, the key 0.7);
+    a data set that declares which generators it draws from (``keyed_generators = ("torch",)``, see
+    :func:`keyed_generators`) has only those seeded: ~5.5 us with torch alone. A sample drawing from another one then takes that generator's running stream, which depends on the
+    number of ranks: :func:`lightning_sync.testing.check_world_size_invariance` names such samples.
     """
 
     def __init__(self, dataset: Dataset[Any], root: Any) -> None:
         self.dataset = dataset
         self._root = root
+        self.generators = keyed_generators(dataset)
 
     @property
     def root(self) -> int:
@@ -246,16 +294,26 @@ class KeyedSampleDataset(Dataset[Any]):
         deterministic)."""
         if not keys or not isinstance(keys[0], SampleKey):
             return [self[key] for key in keys]
-        dataset, root = self.dataset, self.root
-        torch_state = None if torch.utils.data.get_worker_info() is not None else torch.default_generator.get_state()
+        dataset, root, generators = self.dataset, self.root, self.generators
+        seed = _seeder(generators)
+        check = os.environ.get(CHECK_DRAWS_ENV, "")
+        unkeyed = [name for name in GENERATORS if name not in generators] if check else []
+        in_main = torch.utils.data.get_worker_info() is None
+        torch_state = torch.default_generator.get_state() if in_main and "torch" in generators else None
         try:
             samples = []
             epoch, seeds = keys[0].epoch, derive_seeds(root, "sample", keys[0].epoch)
             for key in keys:
                 if key.epoch != epoch:
                     epoch, seeds = key.epoch, derive_seeds(root, "sample", key.epoch)
-                _seed_cpu_generators(seeds(key.sample))  # derive_seed(root, "sample", epoch, i)
-                samples.append(dataset[key.sample])
+                if seed is not None:
+                    seed(seeds(key.sample))  # derive_seed(root, "sample", epoch, i)
+                if unkeyed:
+                    before = _fingerprints(unkeyed)
+                    samples.append(dataset[key.sample])
+                    _note_unkeyed_draws(check, key.sample, unkeyed, before, _fingerprints(unkeyed))
+                else:
+                    samples.append(dataset[key.sample])
             return samples
         finally:
             if torch_state is not None:
@@ -263,7 +321,7 @@ class KeyedSampleDataset(Dataset[Any]):
 
     def __getattr__(self, name: str) -> Any:
         # the wrapped data set's own attributes (not dunders: its ``__getitems__`` would bypass the keys)
-        if name.startswith("__") or name in ("dataset", "_root"):
+        if name.startswith("__") or name in ("dataset", "_root", "generators"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
@@ -276,11 +334,56 @@ except ImportError:  # numpy is optional for torch
 
 def _seed_cpu_generators(seed: int) -> None:
     """Seed torch's default CPU generator, ``random`` and numpy's global generator (``torch.manual_seed`` would
-    also seed every CUDA generator: 70 us against 1; these three take ~1, 4.5 and 1.5 us)."""
+    also seed every CUDA generator: 70 us against 1; these three take ~1.2, 4 and 1.8 us)."""
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
     if _np is not None:
         _np.random.seed(seed)
+
+
+def _seeder(generators: tuple[str, ...]) -> Callable[[int], Any] | None:
+    """The function seeding ``generators`` (None: none), built per batch (a data set sent to a worker is pickled)."""
+    if generators == GENERATORS:
+        return _seed_cpu_generators
+    calls = [fn for name, fn in (("torch", torch.default_generator.manual_seed), ("random", random.seed),
+                                 ("numpy", None if _np is None else _np.random.seed))
+             if name in generators and fn is not None]
+    if not calls:
+        return None
+    if len(calls) == 1:
+        return calls[0]
+
+    def seed_each(value: int) -> None:
+        for fn in calls:
+            fn(value)
+    return seed_each
+
+
+def _fingerprints(names: list[str]) -> list[bytes]:
+    """A digest of each named global generator's state (the checker's runs only)."""
+    out = []
+    for name in names:
+        if name == "torch":
+            state = torch.default_generator.get_state().numpy().tobytes()
+        elif name == "random":
+            state = repr(random.getstate()).encode()
+        elif _np is not None:
+            legacy: Any = _np.random.get_state(legacy=True)
+            state = _np.asarray(legacy[1]).tobytes() + repr(legacy[2:]).encode()
+        else:
+            state = b""
+        out.append(hashlib.blake2b(state, digest_size=16).digest())
+    return out
+
+
+def _note_unkeyed_draws(directory: str, sample: int, names: list[str], before: list[bytes],
+                        after: list[bytes]) -> None:
+    """Note (the checker's runs) which of the unkeyed generators ``names`` ``sample`` drew from: a line ``NAME
+    SAMPLE`` each in this process's file of ``directory``."""
+    moved = [name for name, a, b in zip(names, before, after) if a != b]
+    if moved:
+        with open(os.path.join(directory, f"draws-{os.getpid()}.txt"), "a", encoding="utf-8") as f:
+            f.writelines(f"{name} {sample}\n" for name in moved)
 
 
 # --------------------------------------------------------------------------- dropout

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_sync.invariance import CHECK_DRAWS_ENV
+
 __all__ = ["InvarianceReport", "assert_world_size_invariant", "check_world_size_invariance", "main"]
 
 Factory = Callable[[], Any] | str
@@ -164,6 +166,9 @@ def _launch(out: Path, spec: dict[str, Any], timeout: float) -> list[dict[str, A
     (out / "spec.pkl").write_bytes(pickle.dumps(spec))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in spec["path"] if p))
     env.pop("LOCAL_RANK", None)
+    draws = out / "unkeyed_draws"  # where every loading process notes samples drawing from unkeyed generators
+    draws.mkdir()
+    env[CHECK_DRAWS_ENV] = str(draws)
     n = spec["world_size"]
     proc = subprocess.Popen([sys.executable, "-m", "lightning_sync.testing", "--child", str(out)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -192,6 +197,10 @@ def _launch(out: Path, spec: dict[str, Any], timeout: float) -> list[dict[str, A
                    "the others never reach (a hang), or a run slower than the timeout allows")
     if problem is not None and not any(rec.get("error") for rec in records):
         records[0] = {**records[0], "error": problem, "whole_run": True}
+    noted = sorted({(name, int(sample)) for path in draws.glob("draws-*.txt")
+                    for name, sample in (line.split() for line in path.read_text().splitlines() if line.strip())})
+    if noted:
+        records[0] = {**records[0], "unkeyed_draws": noted}
     return records
 
 
@@ -350,6 +359,18 @@ def _causes(runs: dict[int, list[dict[str, Any]]], ref_losses: dict[tuple[int, i
                               f"sync_dist=True, so each rank keeps its own value. Fix: self.log({name!r}, value, "
                               "sync_dist=True), or log a torchmetrics object.")
         break
+    unkeyed = sorted({(name, sample) for _, _, rec in every for name, sample in rec.get("unkeyed_draws", [])})
+    if unkeyed:
+        names = [g for g in ("torch", "numpy", "random") if any(name == g for name, _ in unkeyed)]
+        samples = sorted({sample for _, sample in unkeyed})
+        whose = " and ".join(f"{g}'s" for g in names)
+        plural = "s" if len(names) > 1 else ""
+        causes.append(f"the training set's __getitem__ drew from {whose} global generator{plural} "
+                      f"(sample(s) {_names([str(i) for i in samples])}), which its keyed_generators "
+                      "attribute leaves unseeded: those numbers come from each loading process's running stream, "
+                      "which depends on the number of ranks. Fix: add "
+                      f"{', '.join(repr(g) for g in names)} to the data set's keyed_generators (or remove the "
+                      "attribute: all three generators are then keyed).")
     left = next((rec["dropout_per_rank"] for _, _, rec in every if rec.get("dropout_per_rank")), None)
     if left:
         causes.append(f"dropout drawn per rank in {_names(left)} (only nn.Dropout and nn.Dropout1d/2d/3d layers key "

@@ -100,6 +100,22 @@ def log_unsynced() -> Model:
     return _LogUnsynced()
 
 
+class _TorchOnlyDeclared(Points):
+    """Declares torch as its only generator (so only torch's is seeded per sample) but draws numpy noise too."""
+
+    keyed_generators = ("torch",)
+
+    def __getitem__(self, i: int):
+        import numpy as np
+
+        x, y = super().__getitem__(i)
+        return x + 0.1 * torch.from_numpy(np.random.randn(6)).float(), y
+
+
+def numpy_undeclared_loader() -> DataLoader:
+    return DataLoader(_TorchOnlyDeclared(), batch_size=12, shuffle=True)
+
+
 def weighted_loader() -> DataLoader:
     return DataLoader(Points(), batch_size=12, sampler=WeightedRandomSampler([1.0] * 203, 203))
 

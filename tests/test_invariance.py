@@ -161,6 +161,49 @@ def test_a_sample_drawing_from_random_is_keyed_in_any_batch_conditional_restorin
     assert drawn == one_by_one
 
 
+class _TorchOnly(_Noise):
+    keyed_generators = ("torch",)
+
+
+def test_a_data_set_declaring_its_generators_has_only_those_seeded() -> None:
+    import random
+
+    import numpy as np
+
+    data = KeyedSampleDataset(_TorchOnly(), root=11)
+    assert data.generators == ("torch",)
+    assert invariance.keyed_generators(_Noise()) == ("torch", "numpy", "random")
+    first, again = data[SampleKey(0, 3)], data[SampleKey(0, 3)]
+    assert first[0] == again[0] == KeyedSampleDataset(_Noise(), root=11)[SampleKey(0, 3)][0]  # torch: keyed
+    assert first[1:] != again[1:]  # numpy and random: the process's running streams, not reseeded
+    random.seed(5)
+    np.random.seed(5)
+    data[SampleKey(0, 4)]
+    assert (random.random(), np.random.rand()) != (random.Random(5).random(), np.random.RandomState(5).rand())
+    # wrappers: a Subset reads its data set's; a ConcatDataset the union of its parts'
+    assert invariance.keyed_generators(torch.utils.data.Subset(_TorchOnly(), [1, 2])) == ("torch",)
+    mixed = torch.utils.data.ConcatDataset([_TorchOnly(), _Noise()])
+    assert invariance.keyed_generators(mixed) == ("torch", "numpy", "random")
+    nothing = type("Nothing", (_Noise,), {"keyed_generators": ()})()
+    assert KeyedSampleDataset(nothing, root=1).generators == () and invariance._seeder(()) is None
+    for bad in ("torch", ("torch", "cuda"), 3):
+        wrong = type("Wrong", (_Noise,), {"keyed_generators": bad})()
+        with pytest.raises(ValueError, match=r"Wrong.keyed_generators = .*out of \('torch', 'numpy', 'random'\)"):
+            KeyedSampleDataset(wrong, root=1)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_checkers_runs_note_samples_drawing_from_unkeyed_generators(workers: int, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(invariance.CHECK_DRAWS_ENV, str(tmp_path))
+    declared = type("Declared", (_Noise,), {"keyed_generators": ("torch", "random")})()
+    loader = DataLoader(KeyedSampleDataset(declared, root=3), batch_sampler=[[SampleKey(0, 2), SampleKey(0, 7)]],
+                        num_workers=workers, collate_fn=lambda samples: samples)
+    assert len(list(loader)) == 1
+    lines = sorted(line for path in tmp_path.glob("draws-*.txt") for line in path.read_text().splitlines())
+    assert lines == ["numpy 2", "numpy 7"]  # numpy drawn and not declared; random declared; torch declared
+
+
 # ---------------------------------------------------------------- dropout
 
 
@@ -524,6 +567,9 @@ def test_the_checker_passes_an_invariant_module_with_validation(tmp_path: Path) 
      "the loss is summed over the batch"),
     ("log_unsynced", "train_loader", {"sync_batchnorm": True}, "logged metric 'train_loss'",
      "metric 'train_loss' differs across the 2 ranks (rank 0: "),
+    ("good", "numpy_undeclared_loader", {"sync_batchnorm": True}, "step 0",
+     ("the training set's __getitem__ drew from numpy's global generator (sample(s) ",
+      "Fix: add 'numpy' to the data set's keyed_generators")),
     ("good", "weighted_loader", {"sync_batchnorm": True}, "a run did not complete",
      "the 1-rank run (rank 0) and the 2-rank run (rank 0) stopped: ValueError: world_size_invariant=True: the "
      "training loader's sampler is a sampler of your own (Lightning wrapped it in DistributedSamplerWrapper)"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 from lightning_sync._compat import lightning_api as _compat
 from lightning_sync.batchnorm import per_rank_batchnorm
 from lightning_sync.errors import ResumeError
-from lightning_sync.invariance import (GlobalBatchSampler, InvariantLoader, KeyedSampleDataset, make_dropout_invariant,
-                                       set_dropout_step)
+from lightning_sync.invariance import (GENERATORS, GlobalBatchSampler, InvariantLoader, KeyedSampleDataset,
+                                       make_dropout_invariant, set_dropout_step)
 from lightning_sync.parts.base import Part
 from lightning_sync.seeding import CHECKPOINT_KEY
 
@@ -73,7 +73,7 @@ class WorldSizeInvariantPart(Part):
         else:
             loader.plan.set_epoch(trainer.current_epoch)
         if self.loader is None:
-            rank_zero_info(describe_plan(loader.plan))
+            rank_zero_info(describe_plan(loader.plan, cast(KeyedSampleDataset, loader.dataset).generators))
         self.loader = loader
         return loader
 
@@ -137,15 +137,20 @@ def invariant_loader(dataloader: Any, world_size: int, rank: int, seed: int, roo
         persistent_workers=dataloader.persistent_workers, pin_memory_device=dataloader.pin_memory_device)
 
 
-def describe_plan(plan: GlobalBatchSampler) -> str:
+def describe_plan(plan: GlobalBatchSampler, generators: tuple[str, ...] = GENERATORS) -> str:
     """One line for the log: the global batch and how the ranks split it (the mistake it shows: a loader whose
-    ``batch_size`` was divided by the number of ranks, as under ``ddp``, trains a smaller global batch)."""
+    ``batch_size`` was divided by the number of ranks, as under ``ddp``, trains a smaller global batch), and the
+    global generators seeded for each sample."""
     n, g, world, last = plan.num_samples, plan.batch_size, plan.world_size, plan.num_samples % plan.batch_size
+    whose = " and ".join(f"{name}'s" for name in generators)
+    keyed = ("torch's, numpy's and random's generators" if generators == GENERATORS else
+             f"only {whose} generator{'s' if len(generators) > 1 else ''}, as the data set's keyed_generators says"
+             if generators else "no generator: the data set's keyed_generators is empty")
     epoch = f"{len(plan)} steps an epoch" + (f", the last of {last} rows" if last and not plan.drop_last else "")
     return (f"lightning_sync: world_size_invariant=True: global batch {g} (the training DataLoader's batch_size, "
             f"as one process would train it) split over {world} rank{'s' if world > 1 else ''} "
             f"({' + '.join(map(str, plan.sizes(0)))} rows); {n} samples, {epoch}, shuffle={plan.shuffle}; random "
-            "numbers drawn while loading a sample are keyed by the sample.")
+            f"numbers drawn while loading a sample are keyed by the sample ({keyed}).")
 
 
 def _shuffle_of(dataloader: DataLoader) -> bool:  # type: ignore[type-arg]

@@ -219,34 +219,63 @@ GENERATORS = ("torch", "numpy", "random")
 CHECK_DRAWS_ENV = "LSYNC_CHECK_SAMPLE_DRAWS"
 
 
+_ABSENT = object()
+
+
 def keyed_generators(dataset: Any) -> tuple[str, ...]:
     """The global generators seeded before each of ``dataset``'s samples: its ``keyed_generators`` attribute (a
-    subset of ``("torch", "numpy", "random")``, in any order) where it has one, else those of the data set a
-    ``Subset`` takes from, the union of a ``ConcatDataset``'s, else all three.
+    tuple, list or set of names out of ``("torch", "numpy", "random")``; ``()``: none), on its class or the object
+    itself, where it has one; else those of the data set a ``Subset`` takes from, the union of a
+    ``ConcatDataset``'s parts'; else all three (any other wrapper without the attribute: all three).
 
     Raises:
-        ValueError: an attribute that is not a collection of those names.
+        ValueError: an attribute that is not a tuple, list or set of those names (``None`` included).
     """
-    declared = getattr(dataset, "keyed_generators", None)
-    if declared is None:
-        if isinstance(dataset, torch.utils.data.Subset):
-            return keyed_generators(dataset.dataset)
-        if isinstance(dataset, torch.utils.data.ConcatDataset):
-            union = {name for part in dataset.datasets for name in keyed_generators(part)}
-            return tuple(name for name in GENERATORS if name in union)
-        return GENERATORS
-    names = [declared] if isinstance(declared, str) else declared
+    return _declaration(dataset)[0]
+
+
+def _declaration(dataset: Any) -> tuple[tuple[str, ...], str | None]:
+    """:func:`keyed_generators`, and who declared them, in words (None: nobody, all three seeded)."""
     try:
-        wanted = set(names)
-    except TypeError:
-        wanted = {declared}
-    unknown = sorted(str(name) for name in wanted if name not in GENERATORS)
-    if unknown or isinstance(declared, str):
-        raise ValueError(
-            f"world_size_invariant=True: {type(dataset).__name__}.keyed_generators = {declared!r}: give a tuple of "
-            f"the global generators its __getitem__ draws from, out of {GENERATORS!r} (e.g. ('torch',)), or remove "
-            "the attribute to key all three.")
-    return tuple(name for name in GENERATORS if name in wanted)
+        declared = getattr(dataset, "keyed_generators", _ABSENT)
+    except Exception:  # noqa: BLE001 - a __getattr__ of the data set's own raising KeyError...: not declared
+        declared = _ABSENT
+    if declared is _ABSENT:
+        if isinstance(dataset, torch.utils.data.Subset):
+            return _declaration(dataset.dataset)
+        if isinstance(dataset, torch.utils.data.ConcatDataset):
+            parts = [_declaration(part) for part in dataset.datasets]
+            if all(who is None for _, who in parts):
+                return GENERATORS, None
+            union = {name for names, _ in parts for name in names}
+            owners = sorted({who if who is not None else f"{type(part).__name__} (no keyed_generators: all three)"
+                             for (_, who), part in zip(parts, dataset.datasets)})
+            return tuple(name for name in GENERATORS if name in union), f"its parts' ({', '.join(owners)})"
+        return GENERATORS, None
+    owner = _declared_on(dataset)
+    if isinstance(declared, (tuple, list, set, frozenset)):
+        unknown = [name for name in declared if not isinstance(name, str) or name not in GENERATORS]
+        if not unknown:
+            return tuple(name for name in GENERATORS if name in declared), owner
+        problem = f"{', '.join(repr(name) for name in unknown)} {'is' if len(unknown) == 1 else 'are'} not one of them"
+    elif declared is None:
+        problem = "None is not a collection of them (for none, give ())"
+    else:
+        problem = f"a value of type {type(declared).__name__} is not a tuple, list or set of them"
+    raise ValueError(
+        f"world_size_invariant=True: {owner} = {declared!r}: give a tuple of the global generators the data set's "
+        f"__getitem__ draws from, out of {GENERATORS!r} (e.g. ('torch',); () for none), or remove the attribute "
+        f"to have all three seeded before each sample: {problem}.")
+
+
+def _declared_on(dataset: Any) -> str:
+    """``Class.keyed_generators`` where the attribute is the object's own or its class's, else the wrapper's
+    forwarded one (its ``__getattr__`` answered from the data set it wraps)."""
+    name = type(dataset).__name__
+    if "keyed_generators" in getattr(dataset, "__dict__", {}) or any(
+            "keyed_generators" in vars(cls) for cls in type(dataset).__mro__):
+        return f"{name}.keyed_generators"
+    return f"{name}.keyed_generators (forwarded by its __getattr__ from the data set it wraps)"
 
 
 class KeyedSampleDataset(Dataset[Any]):
@@ -267,12 +296,16 @@ class KeyedSampleDataset(Dataset[Any]):
     a data set that declares which generators it draws from (``keyed_generators = ("torch",)``, see
     :func:`keyed_generators`) has only those seeded: ~5.5 us with torch alone. A sample drawing from another one then takes that generator's running stream, which depends on the
     number of ranks: :func:`lightning_sync.testing.check_world_size_invariance` names such samples.
+
+    Attributes:
+        generators: the generators seeded before each sample (:func:`keyed_generators`).
+        declared_by: where they were declared, in words (``"Crops.keyed_generators"``); None: nowhere (all three).
     """
 
     def __init__(self, dataset: Dataset[Any], root: Any) -> None:
         self.dataset = dataset
         self._root = root
-        self.generators = keyed_generators(dataset)
+        self.generators, self.declared_by = _declaration(dataset)
 
     @property
     def root(self) -> int:
@@ -321,7 +354,7 @@ class KeyedSampleDataset(Dataset[Any]):
 
     def __getattr__(self, name: str) -> Any:
         # the wrapped data set's own attributes (not dunders: its ``__getitems__`` would bypass the keys)
-        if name.startswith("__") or name in ("dataset", "_root", "generators"):
+        if name.startswith("__") or name in ("dataset", "_root", "generators", "declared_by"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 

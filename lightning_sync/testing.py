@@ -289,8 +289,12 @@ def compare_runs(runs: dict[int, list[dict[str, Any]]], rtol: float,
                     first = (1 << 31, f"logged metric {name!r}: {value:.7g} on {_ranks(ref_n)}, {other:.7g} on rank "
                                       f"{rank} of {n}")
         gaps[n] = gap
-    ok = first is None
+    drew_unkeyed = any(rec.get("unkeyed_draws") for recs in runs.values() for rec in recs)
+    ok = first is None and not drew_unkeyed
     causes = [] if ok else _causes(runs, ref_losses)
+    if first is None and drew_unkeyed:  # nothing differed in these steps, by chance: the declaration is still wrong
+        first = (0, "no step differed within rtol, but training samples drew from a global generator that was not "
+                    "seeded for them, so another run, world size or augmentation may differ")
     if (not ok and first is not None and "logged metric" in first[1] and not causes
             and all(g["loss"] <= rtol and g["grad_norm"] <= rtol and g["weights"] <= weights_rtol for g in gaps.values())):
         causes.append(
@@ -363,14 +367,16 @@ def _causes(runs: dict[int, list[dict[str, Any]]], ref_losses: dict[tuple[int, i
     if unkeyed:
         names = [g for g in ("torch", "numpy", "random") if any(name == g for name, _ in unkeyed)]
         samples = sorted({sample for _, sample in unkeyed})
+        keyed_by = next((rec["keyed_by"] for _, _, rec in every if rec.get("keyed_by")), None) or \
+            "the data set's keyed_generators"
         whose = " and ".join(f"{g}'s" for g in names)
         plural = "s" if len(names) > 1 else ""
         causes.append(f"the training set's __getitem__ drew from {whose} global generator{plural} "
-                      f"(sample(s) {_names([str(i) for i in samples])}), which its keyed_generators "
-                      "attribute leaves unseeded: those numbers come from each loading process's running stream, "
-                      "which depends on the number of ranks. Fix: add "
-                      f"{', '.join(repr(g) for g in names)} to the data set's keyed_generators (or remove the "
-                      "attribute: all three generators are then keyed).")
+                      f"(sample(s) {_names([str(i) for i in samples])}), which {keyed_by} leaves unseeded: those "
+                      "numbers come from each loading process's running stream, which depends on the number of "
+                      "ranks. Fix: add "
+                      f"{', '.join(repr(g) for g in names)} to {keyed_by} (or remove the attribute: all three "
+                      "generators are then seeded).")
     left = next((rec["dropout_per_rank"] for _, _, rec in every if rec.get("dropout_per_rank")), None)
     if left:
         causes.append(f"dropout drawn per rank in {_names(left)} (only nn.Dropout and nn.Dropout1d/2d/3d layers key "
@@ -475,6 +481,9 @@ def _recorder(record: dict[str, Any]) -> Any:
             self._forward: _ForwardDraws | None = None
 
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            find = getattr(trainer.strategy, "part", None)
+            part = find(WorldSizeInvariantPart) if callable(find) else None
+            record["keyed_by"] = getattr(part.loader.dataset, "declared_by", None) if part and part.loader else None
             record["batchnorm_per_rank"] = per_rank_batchnorm(pl_module)
             record["dropout_per_rank"] = make_dropout_invariant(pl_module)[1]  # already converted: only reads
             self._forward = _ForwardDraws(pl_module)

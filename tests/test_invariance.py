@@ -186,10 +186,53 @@ def test_a_data_set_declaring_its_generators_has_only_those_seeded() -> None:
     assert invariance.keyed_generators(mixed) == ("torch", "numpy", "random")
     nothing = type("Nothing", (_Noise,), {"keyed_generators": ()})()
     assert KeyedSampleDataset(nothing, root=1).generators == () and invariance._seeder(()) is None
-    for bad in ("torch", ("torch", "cuda"), 3):
+    listed = _Noise()
+    listed.keyed_generators = ["random", "torch"]  # type: ignore[attr-defined]  # on the object (a HF data set's way)
+    keyed = KeyedSampleDataset(listed, root=1)
+    assert keyed.generators == ("torch", "random") and keyed.declared_by == "_Noise.keyed_generators"
+    for bad, says in (("torch", "type str is not a tuple, list or set of them"),
+                      (("torch", "cuda"), "'cuda' is not one of them"),
+                      ([["torch"]], r"\['torch'\] is not one of them"),
+                      (3, "type int is not"), (None, r"None is not a collection of them \(for none, give \(\)\)"),
+                      ({"torch": 1}, "type dict is not")):
         wrong = type("Wrong", (_Noise,), {"keyed_generators": bad})()
-        with pytest.raises(ValueError, match=r"Wrong.keyed_generators = .*out of \('torch', 'numpy', 'random'\)"):
+        with pytest.raises(ValueError, match=r"Wrong.keyed_generators = .*out of \('torch', 'numpy', 'random'\) "
+                                             rf".*{says}"):
             KeyedSampleDataset(wrong, root=1)
+
+
+class _Columns(Dataset):
+    """Answers unknown attribute names from its columns (a KeyError where there is none, as some do)."""
+
+    def __init__(self, inner: Any = None) -> None:
+        self.columns = {"x": [1.0, 2.0]}
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("columns", "inner") or name.startswith("__"):
+            raise AttributeError(name)
+        if self.inner is not None:
+            return getattr(self.inner, name)
+        return self.columns[name]
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> float:
+        return self.columns["x"][i]
+
+
+def test_who_declared_the_generators_is_said_and_odd_getattrs_mean_all_three() -> None:
+    assert KeyedSampleDataset(_Columns(), root=1).generators == invariance.GENERATORS  # its KeyError: not declared
+    forwarded = KeyedSampleDataset(_Columns(_TorchOnly()), root=1)
+    assert forwarded.generators == ("torch",)
+    assert forwarded.declared_by == ("_Columns.keyed_generators (forwarded by its __getattr__ from the data set it "
+                                     "wraps)")
+    mixed = KeyedSampleDataset(torch.utils.data.ConcatDataset([_TorchOnly(), _Noise()]), root=1)
+    assert mixed.declared_by == "its parts' (_Noise (no keyed_generators: all three), _TorchOnly.keyed_generators)"
+    assert KeyedSampleDataset(torch.utils.data.Subset(_TorchOnly(), [0]), root=1).declared_by == \
+        "_TorchOnly.keyed_generators"
+    assert KeyedSampleDataset(_Noise(), root=1).declared_by is None
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -522,6 +565,22 @@ def test_weights_apart_while_every_step_agrees_is_named_as_the_optimizers_amplif
     assert not differs.ok and differs.first_difference.startswith("step 1 (epoch 0, batch 1): the global batch's loss")
 
 
+def test_samples_drawing_from_unkeyed_generators_fail_the_check_even_where_no_step_differed() -> None:
+    """A declaration missing a generator whose draws happened to change nothing in the checked steps (a crop offset
+    drawn on images already of the crop's size) is still wrong: the report fails and names it."""
+    from lightning_sync.testing import compare_runs
+
+    one = [{**_record([0.7, 0.6], [1.0, 0.9], 0.50), "unkeyed_draws": [("random", 0), ("random", 4)],
+            "keyed_by": "Crops.keyed_generators"}]
+    two = [_record([0.7, 0.6], [1.0, 0.9], 0.50), _record([0.7, 0.6], [1.0, 0.9], 0.50)]
+    report = compare_runs({1: one, 2: two}, rtol=1e-5)
+    assert not report.ok and "no step differed within rtol" in (report.first_difference or "")
+    assert len(report.causes) == 1 and "drew from random's global generator (sample(s) 0, 4), which " \
+        "Crops.keyed_generators leaves unseeded" in report.causes[0], report
+    assert "Fix: add 'random' to Crops.keyed_generators" in report.causes[0]
+    assert compare_runs({1: [_record([0.7, 0.6], [1.0, 0.9], 0.50)], 2: two}, rtol=1e-5).ok
+
+
 CASES = "tests.invariance_cases"
 
 
@@ -569,7 +628,7 @@ def test_the_checker_passes_an_invariant_module_with_validation(tmp_path: Path) 
      "metric 'train_loss' differs across the 2 ranks (rank 0: "),
     ("good", "numpy_undeclared_loader", {"sync_batchnorm": True}, "step 0",
      ("the training set's __getitem__ drew from numpy's global generator (sample(s) ",
-      "Fix: add 'numpy' to the data set's keyed_generators")),
+      "which _TorchOnlyDeclared.keyed_generators leaves unseeded", "Fix: add 'numpy' to _TorchOnlyDeclared.")),
     ("good", "weighted_loader", {"sync_batchnorm": True}, "a run did not complete",
      "the 1-rank run (rank 0) and the 2-rank run (rank 0) stopped: ValueError: world_size_invariant=True: the "
      "training loader's sampler is a sampler of your own (Lightning wrapped it in DistributedSamplerWrapper)"),

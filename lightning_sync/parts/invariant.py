@@ -73,7 +73,8 @@ class WorldSizeInvariantPart(Part):
         else:
             loader.plan.set_epoch(trainer.current_epoch)
         if self.loader is None:
-            rank_zero_info(describe_plan(loader.plan, cast(KeyedSampleDataset, loader.dataset).generators))
+            keyed = cast(KeyedSampleDataset, loader.dataset)
+            rank_zero_info(describe_plan(loader.plan, keyed.generators, keyed.declared_by))
         self.loader = loader
         return loader
 
@@ -137,15 +138,18 @@ def invariant_loader(dataloader: Any, world_size: int, rank: int, seed: int, roo
         persistent_workers=dataloader.persistent_workers, pin_memory_device=dataloader.pin_memory_device)
 
 
-def describe_plan(plan: GlobalBatchSampler, generators: tuple[str, ...] = GENERATORS) -> str:
+def describe_plan(plan: GlobalBatchSampler, generators: tuple[str, ...] = GENERATORS,
+                  declared_by: str | None = None) -> str:
     """One line for the log: the global batch and how the ranks split it (the mistake it shows: a loader whose
     ``batch_size`` was divided by the number of ranks, as under ``ddp``, trains a smaller global batch), and the
     global generators seeded for each sample."""
     n, g, world, last = plan.num_samples, plan.batch_size, plan.world_size, plan.num_samples % plan.batch_size
     whose = " and ".join(f"{name}'s" for name in generators)
-    keyed = ("torch's, numpy's and random's generators" if generators == GENERATORS else
-             f"only {whose} generator{'s' if len(generators) > 1 else ''}, as the data set's keyed_generators says"
-             if generators else "no generator: the data set's keyed_generators is empty")
+    said = f"as {declared_by or 'the data set'} says"
+    keyed = ("torch's, numpy's and random's generators" + (f", {said}" if declared_by else "")
+             if generators == GENERATORS else
+             f"only {whose} generator{'s' if len(generators) > 1 else ''}, {said}" if generators else
+             f"no generator, {said}")
     epoch = f"{len(plan)} steps an epoch" + (f", the last of {last} rows" if last and not plan.drop_last else "")
     return (f"lightning_sync: world_size_invariant=True: global batch {g} (the training DataLoader's batch_size, "
             f"as one process would train it) split over {world} rank{'s' if world > 1 else ''} "

@@ -215,7 +215,7 @@ class InvariantLoader(DataLoader):  # type: ignore[type-arg]
 GENERATORS = ("torch", "numpy", "random")
 
 #: Set by :func:`lightning_sync.testing.check_world_size_invariance` in its runs: a directory where each loading
-#: process notes the samples that drew from a generator their data set's ``keyed_generators`` leaves unkeyed.
+#: process notes which global generators each training sample moved (``NAME SAMPLE keyed|unkeyed`` lines).
 CHECK_DRAWS_ENV = "LSYNC_CHECK_SAMPLE_DRAWS"
 
 
@@ -330,7 +330,6 @@ class KeyedSampleDataset(Dataset[Any]):
         dataset, root, generators = self.dataset, self.root, self.generators
         seed = _seeder(generators)
         check = os.environ.get(CHECK_DRAWS_ENV, "")
-        unkeyed = [name for name in GENERATORS if name not in generators] if check else []
         in_main = torch.utils.data.get_worker_info() is None
         torch_state = torch.default_generator.get_state() if in_main and "torch" in generators else None
         try:
@@ -341,10 +340,10 @@ class KeyedSampleDataset(Dataset[Any]):
                     epoch, seeds = key.epoch, derive_seeds(root, "sample", key.epoch)
                 if seed is not None:
                     seed(seeds(key.sample))  # derive_seed(root, "sample", epoch, i)
-                if unkeyed:
-                    before = _fingerprints(unkeyed)
+                if check:
+                    before = _fingerprints(GENERATORS)
                     samples.append(dataset[key.sample])
-                    _note_unkeyed_draws(check, key.sample, unkeyed, before, _fingerprints(unkeyed))
+                    _note_draws(check, key.sample, generators, before, _fingerprints(GENERATORS))
                 else:
                     samples.append(dataset[key.sample])
             return samples
@@ -392,7 +391,7 @@ def _seeder(generators: tuple[str, ...]) -> Callable[[int], Any] | None:
     return seed_each
 
 
-def _fingerprints(names: list[str]) -> list[bytes]:
+def _fingerprints(names: tuple[str, ...]) -> list[bytes]:
     """A digest of each named global generator's state (the checker's runs only)."""
     out = []
     for name in names:
@@ -409,14 +408,14 @@ def _fingerprints(names: list[str]) -> list[bytes]:
     return out
 
 
-def _note_unkeyed_draws(directory: str, sample: int, names: list[str], before: list[bytes],
-                        after: list[bytes]) -> None:
-    """Note (the checker's runs) which of the unkeyed generators ``names`` ``sample`` drew from: a line ``NAME
-    SAMPLE`` each in this process's file of ``directory``."""
-    moved = [name for name, a, b in zip(names, before, after) if a != b]
+def _note_draws(directory: str, sample: int, keyed: tuple[str, ...], before: list[bytes],
+                after: list[bytes]) -> None:
+    """Note (the checker's runs) which global generators ``sample`` moved: a line ``NAME SAMPLE keyed|unkeyed``
+    each in this process's file of ``directory`` (``before``/``after``: :func:`_fingerprints` of all three)."""
+    moved = [name for name, a, b in zip(GENERATORS, before, after) if a != b]
     if moved:
         with open(os.path.join(directory, f"draws-{os.getpid()}.txt"), "a", encoding="utf-8") as f:
-            f.writelines(f"{name} {sample}\n" for name in moved)
+            f.writelines(f"{name} {sample} {'keyed' if name in keyed else 'unkeyed'}\n" for name in moved)
 
 
 # --------------------------------------------------------------------------- dropout

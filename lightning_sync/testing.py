@@ -58,6 +58,8 @@ class InvarianceReport:
         first_difference: the first step and quantity that differ, in words (None when ``ok``).
         world_sizes: the world sizes compared (the first is the reference).
         gaps: per world size, the largest relative difference of each quantity.
+        tips: what would make the run cheaper and keep it invariant (a passing check only), e.g. the
+            ``keyed_generators`` the training samples need.
     """
 
     ok: bool
@@ -65,12 +67,14 @@ class InvarianceReport:
     first_difference: str | None
     world_sizes: tuple[int, ...]
     gaps: dict[int, dict[str, float]] = field(default_factory=dict)
+    tips: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         sizes = " vs ".join(_ranks(n) for n in self.world_sizes)
         if self.ok:
             worst = max((g for gaps in self.gaps.values() for g in gaps.values()), default=0.0)
-            return f"world-size invariance: OK ({sizes}; largest relative difference {worst:.1e})"
+            return "\n".join([f"world-size invariance: OK ({sizes}; largest relative difference {worst:.1e})",
+                              *(f"  tip: {tip}" for tip in self.tips)])
         lines = [f"world-size invariance: FAILED ({sizes})"]
         if self.first_difference:
             lines.append(f"  first difference: {self.first_difference}")
@@ -197,10 +201,10 @@ def _launch(out: Path, spec: dict[str, Any], timeout: float) -> list[dict[str, A
                    "the others never reach (a hang), or a run slower than the timeout allows")
     if problem is not None and not any(rec.get("error") for rec in records):
         records[0] = {**records[0], "error": problem, "whole_run": True}
-    noted = sorted({(name, int(sample)) for path in draws.glob("draws-*.txt")
-                    for name, sample in (line.split() for line in path.read_text().splitlines() if line.strip())})
-    if noted:
-        records[0] = {**records[0], "unkeyed_draws": noted}
+    noted = {(name, int(sample), kind) for path in draws.glob("draws-*.txt")
+             for name, sample, kind in (line.split() for line in path.read_text().splitlines() if line.strip())}
+    records[0] = {**records[0], "unkeyed_draws": sorted((n, i) for n, i, kind in noted if kind == "unkeyed"),
+                  "keyed_used": sorted({n for n, _, kind in noted if kind == "keyed"})}
     return records
 
 
@@ -312,7 +316,32 @@ def compare_runs(runs: dict[int, list[dict[str, Any]]], rtol: float,
             "gradient component by its running scale, so a rounding difference in a near-zero component becomes a "
             "full step). What is trained is the same. Fix: none needed; compare with weights_rtol= a bound of "
             "about lr x steps, or check with SGD.")
-    return InvarianceReport(ok, causes, None if first is None else first[1], sizes, gaps)
+    return InvarianceReport(ok, causes, None if first is None else first[1], sizes, gaps,
+                            _keying_tips(runs) if ok else [])
+
+
+def _keying_tips(runs: dict[int, list[dict[str, Any]]]) -> list[str]:
+    """Where the training samples moved fewer global generators than were seeded for them: the declaration that
+    seeds only those."""
+    reference = next(iter(runs.values()), [])
+    first = reference[0] if reference else {}
+    seeded, used = first.get("keyed_generators"), first.get("keyed_used")
+    if seeded is None or used is None:
+        return []
+    needed = tuple(name for name in seeded if name in used)
+    if needed == tuple(seeded):
+        return []
+    whose = " and ".join(f"{name}'s" for name in needed)
+    drew = f"drew only from {whose} generator{'s' if len(needed) > 1 else ''}" if needed else \
+        "drew from none of the global generators"
+    seeded_text = ", ".join(f"{name}'s" for name in seeded)
+    owner = str(first.get("keyed_by") or "")
+    declare = (f"{owner} = {needed!r}" if owner.endswith(".keyed_generators") else
+               f"keyed_generators = {needed!r} on the {first.get('train_set') or 'training Dataset'} class")
+    return [f"the training samples {drew} in these runs ({seeded_text} seeded before each): {declare} seeds only "
+            "what they use (with torch's alone keyed loading costs about a third of all three's; "
+            "docs/invariance.md). This check sees a generator's state move: declare every generator __getitem__ "
+            "draws from, also one whose state it puts back (isolate_rng)."]
 
 
 def _causes(runs: dict[int, list[dict[str, Any]]], ref_losses: dict[tuple[int, int], float]) -> list[str]:
@@ -483,7 +512,10 @@ def _recorder(record: dict[str, Any]) -> Any:
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             find = getattr(trainer.strategy, "part", None)
             part = find(WorldSizeInvariantPart) if callable(find) else None
-            record["keyed_by"] = getattr(part.loader.dataset, "declared_by", None) if part and part.loader else None
+            keyed = part.loader.dataset if part is not None and part.loader is not None else None
+            record["keyed_by"] = getattr(keyed, "declared_by", None)
+            record["keyed_generators"] = getattr(keyed, "generators", None)
+            record["train_set"] = type(getattr(keyed, "dataset", None)).__name__
             record["batchnorm_per_rank"] = per_rank_batchnorm(pl_module)
             record["dropout_per_rank"] = make_dropout_invariant(pl_module)[1]  # already converted: only reads
             self._forward = _ForwardDraws(pl_module)

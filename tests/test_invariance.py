@@ -244,7 +244,8 @@ def test_the_checkers_runs_note_samples_drawing_from_unkeyed_generators(workers:
                         num_workers=workers, collate_fn=lambda samples: samples)
     assert len(list(loader)) == 1
     lines = sorted(line for path in tmp_path.glob("draws-*.txt") for line in path.read_text().splitlines())
-    assert lines == ["numpy 2", "numpy 7"]  # numpy drawn and not declared; random declared; torch declared
+    assert lines == ["numpy 2 unkeyed", "numpy 7 unkeyed", "random 2 keyed", "random 7 keyed", "torch 2 keyed",
+                     "torch 7 keyed"]  # each sample drew from all three; numpy is not declared
 
 
 # ---------------------------------------------------------------- dropout
@@ -581,6 +582,26 @@ def test_samples_drawing_from_unkeyed_generators_fail_the_check_even_where_no_st
     assert compare_runs({1: [_record([0.7, 0.6], [1.0, 0.9], 0.50)], 2: two}, rtol=1e-5).ok
 
 
+def test_a_passing_check_says_which_generators_the_samples_need_seeded() -> None:
+    from lightning_sync.testing import compare_runs
+
+    def runs(**first: Any) -> dict[int, list[dict[str, Any]]]:
+        same = _record([0.7, 0.6], [1.0, 0.9], 0.50)
+        return {1: [{**same, **first}], 2: [same, same]}
+
+    report = compare_runs(runs(keyed_generators=("torch", "numpy", "random"), keyed_used=["torch"], keyed_by=None,
+                               train_set="Points"), rtol=1e-5)
+    assert report.ok and len(report.tips) == 1, report
+    assert "the training samples drew only from torch's generator in these runs (torch's, numpy's, random's " \
+        "seeded before each): keyed_generators = ('torch',) on the Points class seeds only" in report.tips[0]
+    assert str(report).splitlines()[1] == f"  tip: {report.tips[0]}"
+    none = compare_runs(runs(keyed_generators=("torch", "random"), keyed_used=[], keyed_by="Crops.keyed_generators",
+                             train_set="Crops"), rtol=1e-5)
+    assert "drew from none of the global generators" in none.tips[0] and "Crops.keyed_generators = ()" in none.tips[0]
+    assert compare_runs(runs(keyed_generators=("torch",), keyed_used=["torch"], train_set="P"), rtol=1e-5).tips == []
+    assert compare_runs(runs(), rtol=1e-5).tips == []  # nothing recorded (an older record): no tip
+
+
 CASES = "tests.invariance_cases"
 
 
@@ -609,6 +630,8 @@ def test_the_checker_passes_an_invariant_module_with_validation(tmp_path: Path) 
                                          world_sizes=(1, 2), max_steps=20, sync_batchnorm=True, val_check_interval=5)
     assert report.ok and report.causes == [] and set(report.gaps[2]) == {"loss", "grad_norm", "weights", "metrics"}
     assert max(report.gaps[2].values()) < 1e-5 and str(report).startswith("world-size invariance: OK (1 rank vs 2")
+    # Points draws from torch's generator only: the report says which declaration seeds just that
+    assert len(report.tips) == 1 and "keyed_generators = ('torch',) on the Points class" in report.tips[0], report
 
 
 @pytest.mark.slow

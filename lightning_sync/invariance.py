@@ -16,7 +16,7 @@ run's step, split:
 * **per-sample randomness** (:class:`KeyedSampleDataset`): torch's, numpy's and ``random``'s global
   generators are seeded from ``(root seed, epoch, sample index)`` before each ``dataset[i]``, in the main
   process (torch's stream put back afterwards) or in any worker: an augmentation drawn in
-  ``__getitem__`` is the same whichever rank or worker loads the sample. A data set whose class says
+  ``__getitem__`` is the same whichever rank or worker loads the sample. A data set that says
   ``keyed_generators = ("torch",)`` has only those seeded (:func:`keyed_generators`: a third of the
   cost).
 * **dropout** (:func:`make_dropout_invariant`): an ``nn.Dropout``/``Dropout1d/2d/3d`` layer in training
@@ -294,8 +294,9 @@ class KeyedSampleDataset(Dataset[Any]):
     sample drawn again once the check failed would keep what its first, unkeyed draw cached. Seeding all three costs
     ~17 us a sample between samples' own work (~8 in isolation: ``random`` 4.5, numpy 2, torch 1.35, the key 0.7);
     a data set that declares which generators it draws from (``keyed_generators = ("torch",)``, see
-    :func:`keyed_generators`) has only those seeded: ~5.5 us with torch alone. A sample drawing from another one then takes that generator's running stream, which depends on the
-    number of ranks: :func:`lightning_sync.testing.check_world_size_invariance` names such samples.
+    :func:`keyed_generators`) has only those seeded: ~5.5 us with torch alone. A sample drawing from another one
+    then takes that generator's running stream, which depends on the number of ranks:
+    :func:`lightning_sync.testing.check_world_size_invariance` names such samples.
 
     Attributes:
         generators: the generators seeded before each sample (:func:`keyed_generators`).
@@ -366,7 +367,7 @@ except ImportError:  # numpy is optional for torch
 
 def _seed_cpu_generators(seed: int) -> None:
     """Seed torch's default CPU generator, ``random`` and numpy's global generator (``torch.manual_seed`` would
-    also seed every CUDA generator: 70 us against 1; these three take ~1.2, 4 and 1.8 us)."""
+    also seed every CUDA generator: 70 us against 1; these three take ~1.35, 4.5 and 2 us in isolation)."""
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
     if _np is not None:

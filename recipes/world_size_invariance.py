@@ -23,9 +23,7 @@ from lightning_sync.testing import check_world_size_invariance
 
 
 class Points(Dataset):
-    # the global generators __getitem__ draws from: only these are seeded per sample (a third of the cost of all
-    # three); leave it out when unsure: the checker names a generator drawn from and left out
-    keyed_generators = ("torch",)
+    keyed_generators = ("torch",)  # what __getitem__ draws from: only it is seeded per sample (the checker checks)
 
     def __init__(self, n: int, augment: bool = True) -> None:
         self.n, self.augment = n, augment

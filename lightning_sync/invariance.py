@@ -342,9 +342,9 @@ class KeyedSampleDataset(Dataset[Any]):
                 if seed is not None:
                     seed(seeds(key.sample))  # derive_seed(root, "sample", epoch, i)
                 if check:
-                    before = _fingerprints(GENERATORS)
+                    before = generator_digests()
                     samples.append(dataset[key.sample])
-                    _note_draws(check, key.sample, generators, before, _fingerprints(GENERATORS))
+                    _note_draws(check, key.sample, generators, before, generator_digests())
                 else:
                     samples.append(dataset[key.sample])
             return samples
@@ -392,8 +392,9 @@ def _seeder(generators: tuple[str, ...]) -> Callable[[int], Any] | None:
     return seed_each
 
 
-def _fingerprints(names: tuple[str, ...]) -> list[bytes]:
-    """A digest of each named global generator's state (the checker's runs only)."""
+def generator_digests(names: tuple[str, ...] = GENERATORS) -> list[bytes]:
+    """A digest of each named global generator's state, torch's CPU one, numpy's, ``random``'s (the invariance
+    checker's runs: which of them a sample or a training step moved)."""
     out = []
     for name in names:
         if name == "torch":
@@ -412,7 +413,7 @@ def _fingerprints(names: tuple[str, ...]) -> list[bytes]:
 def _note_draws(directory: str, sample: int, keyed: tuple[str, ...], before: list[bytes],
                 after: list[bytes]) -> None:
     """Note (the checker's runs) which global generators ``sample`` moved: a line ``NAME SAMPLE keyed|unkeyed``
-    each in this process's file of ``directory`` (``before``/``after``: :func:`_fingerprints` of all three)."""
+    each in this process's file of ``directory`` (``before``/``after``: :func:`generator_digests`)."""
     moved = [name for name, a, b in zip(GENERATORS, before, after) if a != b]
     if moved:
         with open(os.path.join(directory, f"draws-{os.getpid()}.txt"), "a", encoding="utf-8") as f:

@@ -30,7 +30,6 @@ import inspect
 import math
 import os
 import pickle
-import random
 import signal
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.invariance import CHECK_DRAWS_ENV
+from lightning_sync.invariance import CHECK_DRAWS_ENV, GENERATORS, generator_digests
 
 __all__ = ["InvarianceReport", "assert_world_size_invariant", "check_world_size_invariance", "main"]
 
@@ -448,17 +447,6 @@ def _resolve(spec: str) -> Any:
     return obj
 
 
-def _rng_fingerprints() -> dict[str, bytes]:
-    """A digest of each global generator's state: torch's CPU one, numpy's and ``random``'s."""
-    import numpy as np
-    import torch
-
-    state: Any = np.random.get_state(legacy=True)
-    return {"torch": hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=16).digest(),
-            "numpy": hashlib.blake2b(np.asarray(state[1]).tobytes() + str(state[2:]).encode(), digest_size=16).digest(),
-            "random": hashlib.blake2b(repr(random.getstate()).encode(), digest_size=16).digest()}
-
-
 class _ForwardDraws:
     """Forward hooks on every submodule that note which ones' forward moved torch's global CPU generator (the
     innermost of nested ones are the callers to name)."""
@@ -522,7 +510,7 @@ def _recorder(record: dict[str, Any]) -> Any:
 
         def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                                  batch_idx: int) -> None:
-            self._rng = _rng_fingerprints()
+            self._rng = dict(zip(GENERATORS, generator_digests()))
             if self._forward is not None:
                 self._forward.take()
 
@@ -539,7 +527,7 @@ def _recorder(record: dict[str, Any]) -> Any:
             rows = part.loader.plan.sizes(batch_idx)[part.loader.plan.rank] if part is not None and part.loader else 0
             if isinstance(loss, torch.Tensor):
                 record["losses"].append((trainer.current_epoch, batch_idx, float(loss.detach()), rows))
-            now = _rng_fingerprints()
+            now = dict(zip(GENERATORS, generator_digests()))
             moved = [name for name, digest in now.items() if self._rng.get(name) != digest]
             inside = self._forward.take() if self._forward is not None else []
             if moved:

@@ -169,7 +169,7 @@ def _launch(out: Path, spec: dict[str, Any], timeout: float) -> list[dict[str, A
     (out / "spec.pkl").write_bytes(pickle.dumps(spec))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in spec["path"] if p))
     env.pop("LOCAL_RANK", None)
-    draws = out / "unkeyed_draws"  # where every loading process notes samples drawing from unkeyed generators
+    draws = out / "sample_draws"  # where every loading process notes the generators each training sample moved
     draws.mkdir()
     env[CHECK_DRAWS_ENV] = str(draws)
     n = spec["world_size"]
@@ -393,7 +393,7 @@ def _causes(runs: dict[int, list[dict[str, Any]]], ref_losses: dict[tuple[int, i
         break
     unkeyed = sorted({(name, sample) for _, _, rec in every for name, sample in rec.get("unkeyed_draws", [])})
     if unkeyed:
-        names = [g for g in ("torch", "numpy", "random") if any(name == g for name, _ in unkeyed)]
+        names = [g for g in GENERATORS if any(name == g for name, _ in unkeyed)]
         samples = sorted({sample for _, sample in unkeyed})
         keyed_by = next((rec["keyed_by"] for _, _, rec in every if rec.get("keyed_by")), None) or \
             "the data set's keyed_generators"

@@ -41,6 +41,13 @@ def _ft_run(out: Path, ft_args: list[str], script_args: list[str], timeout: int 
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 20)
 
 
+def _why(stderr: str) -> str:
+    """lsync-ft-run's lines on its groups (which ended, why, which restarted) and the end of the run's output: what a
+    failed assertion on the groups' lives shows (a group that ended in a run that succeeded leaves no other trace)."""
+    groups = [line for line in stderr.splitlines() if "replica group" in line or "Error" in line]
+    return "\n".join(groups[-40:]) + "\n--- the run's last output ---\n" + stderr[-3000:]
+
+
 _CONTROLS: dict[tuple[str, ...], Path] = {}  # the control runs of this process, by their arguments
 
 
@@ -350,7 +357,7 @@ def test_with_world_size_invariant_the_live_groups_train_a_missing_groups_slices
                     str(samples)], script=FIT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
     ends = [torch.load(tmp_path / "ft" / f"group{g}.pt") for g in range(groups)]
-    assert [end["life"] for end in ends] == [0, 1, 0][:groups]  # only the killed group restarted
+    assert [end["life"] for end in ends] == [0, 1, 0][:groups], _why(proc.stderr)  # only the killed group restarted
     assert all(torch.equal(ends[0]["weights"], end["weights"]) for end in ends[1:])
     away = [r for r in _steps(tmp_path / "ft", 0) if r["participants"] < groups]
     assert away, "group 0 never trained without group 1: the test did not test the take-over"
@@ -384,7 +391,8 @@ def test_a_frozen_group_stalls_the_others_for_a_timeout_then_is_replaced_and_not
     assert re.search(r"replica group 1 ended \(stopped \(SIGSTOP\) for \d+ s, ended by lsync-ft-run\); restarting it "
                      r"\(restart 1 of 3\)", proc.stderr)
     ends = [torch.load(tmp_path / "ft" / f"group{g}.pt") for g in range(2)]
-    assert [end["life"] for end in ends] == [0, 1] and torch.equal(ends[0]["weights"], ends[1]["weights"])
+    assert [end["life"] for end in ends] == [0, 1], _why(proc.stderr)
+    assert torch.equal(ends[0]["weights"], ends[1]["weights"])
     survivor = _steps(tmp_path / "ft", 0)
     assert [r["step"] for r in survivor] == list(range(1, 41)) and ends[0]["report"]["redone"] == 1
     # the bound: torchft's timeout (the all-reduce with the frozen group) + the lighthouse's heartbeat timeout
@@ -410,7 +418,8 @@ def test_a_group_killed_twice_recovers_twice_and_nothing_is_lost(tmp_path: Path)
     assert "all 2 replica groups finished; restarted: group 1 x2" in proc.stderr, proc.stderr[-6000:]
     assert all(f"ddp_sync_ft: replica group 1 (life {life}) recovers from a live group" in proc.stderr for life in (1, 2))
     ends = [torch.load(tmp_path / "ft" / f"group{g}.pt") for g in range(2)]
-    assert [end["life"] for end in ends] == [0, 2] and torch.equal(ends[0]["weights"], ends[1]["weights"])
+    assert [end["life"] for end in ends] == [0, 2], _why(proc.stderr)
+    assert torch.equal(ends[0]["weights"], ends[1]["weights"])
     assert [r["step"] for r in _steps(tmp_path / "ft", 0)] == list(range(1, 51))
     assert {r["life"] for r in _steps(tmp_path / "ft", 1)} == {0, 1, 2}
     # while group 1 was away group 0 trained the whole global batch alone: nothing skipped, the count carried over
@@ -443,7 +452,8 @@ def test_with_sync_batchnorm_the_statistics_span_every_live_group_and_nothing_is
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "compute their batch statistics" not in proc.stderr
     ends = [torch.load(tmp_path / "ft" / f"group{g}.pt") for g in range(3)]
-    assert [end["life"] for end in ends] == [0, 1, 0] and ends[0]["report"]["taken_over"] > 0
+    assert [end["life"] for end in ends] == [0, 1, 0], _why(proc.stderr)
+    assert ends[0]["report"]["taken_over"] > 0
     assert all(torch.equal(ends[0]["weights"], end["weights"]) for end in ends[1:])
     _control(tmp_path / "control", "--steps", "40", "--invariant", "--batchnorm", "--sync-bn")
     one_process = torch.load(tmp_path / "control" / "group0.pt")
@@ -594,7 +604,8 @@ def test_a_restarted_lighthouse_costs_a_quorum_timeout_and_no_group_restarts(tmp
             in stderr), stderr[-4000:]
     assert "lsync-ft-run: all 2 replica groups finished\n" in stderr + "\n" and "restarting it" not in stderr, stderr[-8000:]
     ends = [torch.load(out / f"group{g}.pt") for g in range(2)]
-    assert [end["life"] for end in ends] == [0, 0] and torch.equal(ends[0]["weights"], ends[1]["weights"])
+    assert [end["life"] for end in ends] == [0, 0], _why(stderr)
+    assert torch.equal(ends[0]["weights"], ends[1]["weights"])
     steps = [r["step"] for r in _steps(out, 0)]
     assert steps == sorted(set(steps)) and steps[-1] == 200 and steps[59] == 60
     one_process = _control(tmp_path / "control", "--steps", "200", "--samples", "3200", "--invariant")

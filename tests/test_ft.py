@@ -33,6 +33,14 @@ SCRIPT = Path(__file__).parent / "scripts" / "ft_replica.py"
 FIT = Path(__file__).parent / "scripts" / "fit_ft.py"
 
 
+# With 3 groups, fit_ft.py paces group 0 alone (--alone-sleep: after a step without group 1 it waits for group 1's
+# next life to start); group 2 goes on to the next quorum. At lsync-ft-run's default join timeout (10 s) the lighthouse
+# forms that quorum without group 0 (heartbeating, not yet asking) once a restart takes longer than that on a loaded
+# machine; group 0 then asks several steps behind and, as designed, is restarted (lives [1, 1, 0], seen in a clean-clone
+# run). A quorum that waits for every heartbeating group keeps the three together, as the test means them to be.
+PACED_JOIN = ["--join-timeout-ms", "120000"]
+
+
 def _ft_run(out: Path, ft_args: list[str], script_args: list[str], timeout: int = 180,
             script: Path = SCRIPT) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
@@ -352,7 +360,7 @@ def test_with_world_size_invariant_the_live_groups_train_a_missing_groups_slices
     dropout included. 641 samples: epoch 0's last step has 1 row, trained while group 1 is away (the other live
     group runs a stand-in weighted zero)."""
     kill_at = "10" if samples == 640 else "20"  # 641: group 1 dies in step 20, which the live groups then redo
-    proc = _ft_run(tmp_path / "ft", ["--replicas", str(groups), "--heartbeat-timeout-ms", "1000"],
+    proc = _ft_run(tmp_path / "ft", ["--replicas", str(groups), "--heartbeat-timeout-ms", "1000", *PACED_JOIN],
                    ["--steps", "40", "--kill-at", kill_at, "--alone-sleep", "0.5", "--invariant", "--samples",
                     str(samples)], script=FIT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -446,7 +454,7 @@ def test_with_sync_batchnorm_the_statistics_span_every_live_group_and_nothing_is
     global batch and exchange between the two of them. Every group ends within float rounding of ONE process
     training with batch 32, running statistics included. Without sync_batchnorm the same model is not that
     model (a group's own rows), and the warning names the fix."""
-    proc = _ft_run(tmp_path / "ft", ["--replicas", "3", "--heartbeat-timeout-ms", "1000"],
+    proc = _ft_run(tmp_path / "ft", ["--replicas", "3", "--heartbeat-timeout-ms", "1000", *PACED_JOIN],
                    ["--steps", "40", "--kill-at", "10", "--alone-sleep", "0.5", "--invariant", "--batchnorm",
                     "--sync-bn"], script=FIT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -743,3 +743,17 @@ def test_ranks_of_one_host_write_their_stack_dumps_one_at_a_time(tmp_path: Path)
         end = block.find(f"[lightning_sync guard] rank {other}:")
         block = block if end < 0 else block[:end]
         assert "Python stacks of every thread" in block and "_two_ranks_dump_at_once" in block, block[:2000]
+
+
+def test_a_quoted_exception_says_where_it_was_cut() -> None:
+    """A peer's error quotes the first line of the exception that ended a rank; a long one is cut at a word with a
+    marker (it used to stop mid-word after 300 characters, as if that were the whole message)."""
+    from lightning_sync.guard.report import first_line
+
+    assert first_line(ValueError("short\nsecond line")) == "short"
+    assert first_line(RuntimeError("")) == ""
+    long = "world_size_invariant=True: " + "a value of type str is not accepted here, " * 20
+    quoted = first_line(ValueError(long), limit=100)
+    assert quoted.endswith(" [...]") and len(quoted) <= 106 and long.startswith(quoted[:-6])
+    assert not quoted[:-6].endswith(("accep", ","))  # cut between words, no dangling comma
+    assert first_line("x" * 500, limit=50) == "x" * 50 + " [...]"

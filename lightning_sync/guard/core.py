@@ -446,7 +446,7 @@ class CollectiveGuard:
         exchange, monitor = self._exchange, self._monitor
         if exchange is None or monitor is None or monitor.failure is not None:
             return
-        text = str(exception).strip().splitlines()[0][:300] if str(exception).strip() else ""
+        text = report.first_line(exception)
         message = (f"rank {self._rank} raised {type(exception).__name__}{': ' + text if text else ''}"
                    f"{' in ' + where if where else ''}; the run cannot go on without it: its log has the traceback")
         try:

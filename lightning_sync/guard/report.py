@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from lightning_sync.errors import CollectiveMismatchError, LightningSyncError
 from lightning_sync.guard.fingerprint import Fingerprint
 
-__all__ = ["PeerState", "lost", "mismatch", "stall"]
+__all__ = ["PeerState", "first_line", "lost", "mismatch", "stall"]
 
 _FIX = (
     "Every rank must issue the same collectives in the same order: look for a collective, "
@@ -30,6 +30,17 @@ class PeerState:
     last: Fingerprint | None = None
     busy: bool = False  #: blocked in a guarded collective (``last``) right now
     detail: str = ""  #: e.g. "no heartbeat for 12 s", "process 4242 on host-a"
+
+
+def first_line(error: BaseException | str, limit: int = 400) -> str:
+    """The first line of ``error``'s message, for quoting in another rank's error: cut at a word before ``limit``
+    characters, with ``[...]`` where it was cut (the whole message is in the rank's own log)."""
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else ""
+    if len(line) <= limit:
+        return line
+    cut = line[:limit].rsplit(" ", 1)[0] if " " in line[:limit] else line[:limit]
+    return cut.rstrip(",;:") + " [...]"
 
 
 def mismatch(seq: int, fingerprints: dict[int, Fingerprint | None], note: str = "") -> CollectiveMismatchError:
@@ -112,4 +123,4 @@ def lost(ranks: dict[int, str], error: BaseException | None, where: str) -> Ligh
     return LightningSyncError(
         f"rank(s) {names} died {where}: {detail}. The run cannot continue; look at that rank's log (out of memory, a "
         "signal, a crash in native code) and restart from the last checkpoint."
-        + (f" (The process group reported: {str(error).splitlines()[0][:300]})" if error is not None else ""))
+        + (f" (The process group reported: {first_line(error)})" if error is not None else ""))

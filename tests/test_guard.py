@@ -757,3 +757,58 @@ def test_a_quoted_exception_says_where_it_was_cut() -> None:
     assert quoted.endswith(" [...]") and len(quoted) <= 106 and long.startswith(quoted[:-6])
     assert not quoted[:-6].endswith(("accep", ","))  # cut between words, no dangling comma
     assert first_line("x" * 500, limit=50) == "x" * 50 + " [...]"
+
+
+def test_the_recorder_wakes_the_watchdog_when_its_queue_fills_and_drops_the_oldest_beyond() -> None:
+    from lightning_sync.guard.fingerprint import Recorder
+
+    recorder, woken = Recorder(capacity=64), []
+    recorder.wake = lambda: woken.append(recorder.next_seq("w"))
+    for _ in range(4 * 64 + 10):
+        recorder.record("w", "all_reduce", "float32[1] op=sum", "train.py:1")
+    assert woken == [64]  # once, as the 64th waits: the watchdog publishes them at once
+    batch = recorder.take_unpublished()
+    assert len(batch) == 4 * 64 and recorder.dropped == 10
+    assert batch[-1][1].seq == 4 * 64 + 9 and batch[0][1].seq == 10  # the newest kept, the oldest gone
+    assert recorder.take_unpublished() == []
+
+
+def _many_collectives_between_two_turns(rank: int, world: int) -> dict:
+    """A guard whose watchdog turns every 5 s, and 600 guarded all-reduces in about a second."""
+    start = time.monotonic()
+    with CollectiveGuard(timeout=60, interval=5) as guard:
+        t = torch.ones(1)
+        for _ in range(600):
+            dist.all_reduce(t)
+        recorder = guard._recorder
+    return {"dropped": recorder.dropped if recorder is not None else -1, "seconds": time.monotonic() - start}
+
+
+def test_a_slow_watchdog_keeps_up_with_a_fast_loop_and_the_closing_check_ends() -> None:
+    """CollectiveGuard(interval=2..5) with a few hundred collectives before its first turn: the recorder's queue
+    (4 x 64) overflowed, its newest fingerprints were dropped, the closing fingerprint among them, and the closing
+    check waited forever for a confirmation nobody could give (a fit of 100 steps hung at its end). The queue now
+    wakes the watchdog as it fills; nothing is dropped and the check ends."""
+    for r in run_ranks(_many_collectives_between_two_turns, 2, timeout=90):
+        assert r["dropped"] == 0 and r["seconds"] < 45, r
+
+
+def _closing_fingerprint_never_published(rank: int, world: int) -> dict:
+    from collections import deque
+
+    start = time.monotonic()
+    with pytest.raises(ls.LightningSyncError) as raised:
+        with CollectiveGuard(timeout=1, interval=0.1) as guard:
+            dist.all_reduce(torch.ones(1))
+            assert guard._recorder is not None
+            guard._recorder._unpublished = deque(maxlen=0)  # the guard's own fault: nothing is published any more
+            guard.check("a synchronous check")  # (waits for its confirmation)
+    return {"message": str(raised.value), "seconds": time.monotonic() - start}
+
+
+def test_a_confirmation_no_rank_can_give_ends_in_an_error_not_a_wait() -> None:
+    """Where the guard itself fails to publish what a check waits for (the bug above, or another), every rank
+    raises after 2 x timeout + 10 turns, saying it is the guard's fault and how to run without it."""
+    for r in run_ranks(_closing_fingerprint_never_published, 2, timeout=60):
+        assert "was not confirmed by the neighbouring rank within 3 s" in r["message"], r
+        assert "guard=False" in r["message"] and r["seconds"] < 20, r

@@ -613,9 +613,21 @@ class CollectiveGuard:
             return
         previous = recorder.enter(stream)
         woken = 0.0
+        # The watchdog names a rank that does not get here within `timeout`; this bound is for the guard's own
+        # faults (a confirmation no rank can give), which must end in an error too, never in a wait
+        window = 2 * self.timeout + 10 * self.interval
+        deadline = time.monotonic() + window
         try:
             while True:
                 now = time.monotonic()
+                if now > deadline:
+                    raise LightningSyncError(
+                        f"rank {self._rank}: {op!r} (collective #{fp.seq} of stream {stream!r}) was not confirmed by "
+                        f"the neighbouring rank within {window:.0f} s "
+                        f"although no rank was found missing (compared up to #{monitor.verified(stream)}; "
+                        f"{recorder.dropped} of this rank's never published). This is the guard's fault, not the "
+                        "program's: "
+                        "please report it; SyncDDPStrategy(guard=False) runs without the guard.")
                 if now - woken > 0.01:  # a turn every 10 ms while waiting, not every interval
                     monitor.wake()
                     woken = now

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torch import Tensor
@@ -93,16 +94,22 @@ class Recorder:
     """This rank's fingerprints: a ring for reports, a queue the watchdog publishes from.
 
     ``busy`` is replaced (never mutated) by the main thread, so the watchdog reads it without the lock.
+    ``wake``: called (from the recording thread) when ``capacity`` fingerprints wait to be published, so the
+    watchdog publishes them now instead of at its next turn (a fast loop between two turns of a slow
+    ``interval``). The queue holds at most ``4 * capacity`` (a stalled watchdog must not grow memory): beyond
+    that the oldest go (``dropped``), never the newest, which the checks that wait for confirmation need.
     """
 
     def __init__(self, capacity: int = 256) -> None:
         self._lock = threading.Lock()
         self._seq: dict[str, int] = {}
         self._ring: dict[str, deque[Fingerprint]] = {}
-        self._unpublished: list[tuple[str, Fingerprint]] = []
+        self._unpublished: deque[tuple[str, Fingerprint]] = deque(maxlen=4 * capacity)
         self._capacity = capacity
         self.busy: Busy | None = None
         self.entered = 0  # guarded collectives recorded (all streams)
+        self.dropped = 0  # fingerprints never published (the queue was full): compared by no rank
+        self.wake: Callable[[], None] | None = None
 
     def record(self, stream: str, op: str, match: str, site: str) -> Fingerprint:
         with self._lock:
@@ -113,9 +120,15 @@ class Recorder:
             if ring is None:
                 ring = self._ring[stream] = deque(maxlen=self._capacity)
             ring.append(fp)
-            if len(self._unpublished) < 4 * self._capacity:  # a stalled watchdog must not grow memory
-                self._unpublished.append((stream, fp))
+            queue = self._unpublished
+            if len(queue) == queue.maxlen:
+                self.dropped += 1  # (the oldest, as the append below pushes it out)
+            queue.append((stream, fp))
+            backlog = len(queue)
             self.entered += 1
+        wake = self.wake
+        if wake is not None and backlog == self._capacity:
+            wake()
         return fp
 
     def enter(self, stream: str) -> Busy | None:
@@ -127,7 +140,8 @@ class Recorder:
 
     def take_unpublished(self) -> list[tuple[str, Fingerprint]]:
         with self._lock:
-            batch, self._unpublished = self._unpublished, []
+            batch = list(self._unpublished)
+            self._unpublished.clear()
         return batch
 
     def last(self, stream: str, n: int = 8) -> list[Fingerprint]:

@@ -97,6 +97,7 @@ class Monitor:
         self._may_exit = True
         self._stop = threading.Event()
         self._wake = threading.Event()  # an early turn (a closing check waiting for its confirmation)
+        recorder.wake = self.wake  # and one when the recorder's queue fills up between two turns
         self._thread: threading.Thread | None = None
         self._paused = False
         self._dumped_for: float | None = None

@@ -2,6 +2,7 @@
 
     python bench/bench_guard.py                 # micro (2/4/8 ranks) + tiny-MLP fit
     python bench/bench_guard.py --main          # also the main job (lsync-train experiment=digits_cpu_ddp)
+    python bench/bench_guard.py --elements      # gloo's all-reduce of 1-16 int64 (the confirmation sends 2)
 
 1. hot path: this process, no communication: microseconds the guard adds to one collective call
    (call-site lookup + fingerprint into the ring), the same at any world size by construction.
@@ -38,6 +39,28 @@ def _port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _elements(rank: int, world: int, n: int, port: int) -> dict:
+    """gloo's all-reduce (MAX) of 1, 2, 3, 4 and 16 int64, each size in turn, 3 rounds: what the guard's
+    confirmation costs by the size of what it sends (it sends 2)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out: dict[int, list[float]] = {}
+    for _ in range(3):
+        for size in (1, 2, 3, 4, 16):
+            t = torch.ones(size, dtype=torch.int64)
+            for _ in range(20):
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            out.setdefault(size, []).append((time.perf_counter() - start) / n * 1e6)
+    dist.destroy_process_group()
+    return {size: statistics.median(v) for size, v in out.items()}
 
 
 def _micro(rank: int, world: int, n: int, port: int, detail: bool = False) -> dict:
@@ -193,6 +216,8 @@ def main() -> None:
     parser.add_argument("--fit-only", action="store_true", help="skip the hot-path and micro parts")
     parser.add_argument("--fit-worlds", default="2", help="ranks of the fit, e.g. 2,4,8 (the synced step's cost "
                         "with the world size)")
+    parser.add_argument("--elements", action="store_true", help="only gloo's all-reduce of 1-16 int64 at --worlds "
+                        "(why the guard's confirmation sends two)")
     parser.add_argument("--devices", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit_out is not None:
@@ -201,6 +226,12 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from tests.distributed import run_ranks
 
+    if args.elements:
+        for world in map(int, args.worlds.split(",")):
+            sizes = run_ranks(_elements, world, args=(args.micro_n, _port()), timeout=900, init=False)[0]
+            print(f"{world} ranks, gloo all_reduce MAX of int64[n], us: "
+                  + "  ".join(f"n={k}: {v:.0f}" for k, v in sizes.items()))
+        return
     print(f"guard hot path (site lookup + fingerprint, no communication): {_hot_path():.1f} us per collective")
     for world in ([] if args.fit_only else map(int, args.worlds.split(","))):
         micro = run_ranks(_micro, world, args=(args.micro_n, _port()), timeout=900, init=False)

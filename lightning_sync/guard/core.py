@@ -575,19 +575,20 @@ class CollectiveGuard:
     def _side_exchange(self, fp: Fingerprint, op: str, side: Any, tensor: Tensor | None = None) -> None:
         """Compare every rank's token of ``fp`` on the guard's own group ``side``; raise on every rank where they
         differ (with every rank's layout where only ``tensor``'s shape or dtype does)."""
-        # The same 32 bytes from every rank whatever the call (ranks at different calls still pair on the
-        # wire, where gloo aborts on a size mismatch): the whole call's token and its token without the
-        # tensor's layout, each beside its negation, under MAX: equal everywhere iff max == -min. One small
-        # all-reduce (an all-gather took 1.6-1.8x as long on gloo); only where they differ, on every rank
-        # alike, the tokens themselves are gathered to name the ranks.
+        # The same 16 bytes from every rank whatever the call (ranks at different calls still pair on the
+        # wire, where gloo aborts on a size mismatch): the call's token beside its negation, under MAX: equal
+        # everywhere iff max == -min, and every rank reads the same answer. Two elements: gloo's all-reduce of
+        # three or more takes 2.2-2.8x as long as one of two, at 2 and 4 ranks (bench_guard.py --elements; an
+        # all-gather 1.3-1.8x). Only where they differ, on every rank alike, the tokens and the tokens without
+        # the tensor's layout are gathered, to name the ranks and tell a shape that alone differs.
         key = fp.key(self.match_call_sites)
         token = zlib.crc32("\x1f".join(key).encode()) or 1
         site = zlib.crc32("\x1f".join(key[:1] + key[2:]).encode()) or 1
-        both = torch.tensor([token, -token, site, -site])
+        both = torch.tensor([token, -token])
         self._depth += 1  # the exchange itself is not a user's collective
         try:
             wait_sliced(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=side, async_op=True), self, side)
-            high, minus_low, _, _ = both.tolist()
+            high, minus_low = both.tolist()
             if high == -minus_low:
                 return
             every = torch.empty(2 * dist.get_world_size(), dtype=torch.int64)

@@ -36,6 +36,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_sync.guard.report import first_line
+
 __all__ = ["main"]
 
 POLL_S = 0.2
@@ -82,7 +84,7 @@ class _Life:
         """Take one line of the group's standard error."""
         match = _ERROR_LINE.match(line)
         if match and not any(name in match.group(2) for name in _NOT_A_CAUSE):
-            self.last_error = match.group(2)[:300]
+            self.last_error = first_line(match.group(2), limit=300)  # (cut at a word, marked)
             if match.group(1) is not None:
                 self.rank_errors[int(match.group(1))] = self.last_error
             else:

@@ -583,7 +583,6 @@ class CollectiveGuard:
         # the tensor's layout are gathered, to name the ranks and tell a shape that alone differs.
         key = fp.key(self.match_call_sites)
         token = zlib.crc32("\x1f".join(key).encode()) or 1
-        site = zlib.crc32("\x1f".join(key[:1] + key[2:]).encode()) or 1
         both = torch.tensor([token, -token])
         self._depth += 1  # the exchange itself is not a user's collective
         try:
@@ -591,6 +590,7 @@ class CollectiveGuard:
             high, minus_low = both.tolist()
             if high == -minus_low:
                 return
+            site = zlib.crc32("\x1f".join(key[:1] + key[2:]).encode()) or 1  # (the call without its layout)
             every = torch.empty(2 * dist.get_world_size(), dtype=torch.int64)
             wait_sliced(all_gather_single(every, torch.tensor([token, site]), group=side, async_op=True), self, side)
         finally:
@@ -627,8 +627,7 @@ class CollectiveGuard:
                         f"the neighbouring rank within {window:.0f} s "
                         f"although no rank was found missing (compared up to #{monitor.verified(stream)}; "
                         f"{recorder.dropped} of this rank's never published). This is the guard's fault, not the "
-                        "program's: "
-                        "please report it; SyncDDPStrategy(guard=False) runs without the guard.")
+                        "program's: please report it; SyncDDPStrategy(guard=False) runs without the guard.")
                 if now - woken > 0.01:  # a turn every 10 ms while waiting, not every interval
                     monitor.wake()
                     woken = now

@@ -678,6 +678,24 @@ def test_replica_groups_without_a_common_seed_are_refused_before_training(tmp_pa
     assert not (tmp_path / "group0.log").exists()  # not one step
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_manual_optimisation_is_refused_before_any_step_and_the_group_is_not_restarted(tmp_path: Path) -> None:
+    """torchft commits each step through the automatic loop's closure (run again when a group is lost): a module with
+    automatic_optimization = False is refused at the start of fit, before the first quorum, as a set-up error that
+    lsync-ft-run does not restart. (Before, nothing refused it: the first optimizer.step() got Lightning's do-nothing
+    closure and the run stopped on "training_step returned None", after a quorum and a gradient all-reduce.)"""
+    proc = _ft_run(tmp_path, ["--replicas", "1", "--max-restarts", "2"], ["--steps", "4", "--manual"], script=FIT)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert ("ddp_sync_ft: ManualModel sets automatic_optimization = False (manual optimisation), which ddp_sync_ft "
+            "does not support: torchft commits every optimizer step through Lightning's automatic loop"
+            in proc.stderr), proc.stderr[-4000:]
+    assert "leave automatic_optimization True and return the loss from training_step" in proc.stderr
+    assert "replica group 0 stopped for a set-up error, not restarted" in proc.stderr, proc.stderr[-4000:]
+    assert "restarting it" not in proc.stderr and "training_step returned None" not in proc.stderr
+    assert not (tmp_path / "group0.log").exists()  # not one step
+
+
 def test_ddp_sync_ft_outside_a_replica_group_and_bad_arguments_say_how_to_fix_them(monkeypatch) -> None:
     import lightning_sync as ls
 

@@ -174,6 +174,7 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                 "model, with the same N in every group.")
         trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
         if self._ctx is None and trainer is not None and trainer.state.fn == "fit":
+            self._refuse_manual_optimization()  # (before the first quorum: no group waits for one that refuses)
             self._ctx = replica_context(self._state_for_peer, self._load_from_peer, min_replica_size=self.min_replicas,
                                         timeout=self.ft_timeout, quorum_timeout=self.quorum_timeout,
                                         use_async_quorum=False, init_sync=False, group=self.replica_group,
@@ -182,6 +183,28 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
             peer = self._peer_checkpoint
             if peer is not None and peer.outcome == "pending":
                 self._join(peer)
+
+    def _refuse_manual_optimization(self) -> None:
+        """Manual optimisation (``automatic_optimization = False``) is refused at the start of ``fit``, in every group
+        alike and before any quorum or step: torchft's per-step protocol lives in ``optimizer_step``, which runs the
+        automatic loop's closure (``training_step`` and backward) itself, so that a step a lost group interrupted is
+        run again on the same batch and the optimizer steps only if torchft commits it. Under manual optimisation the
+        closure is Lightning's do-nothing one: the forward, the backward and the gradient all-reduce have already
+        run in the user's ``training_step``, and a failed step could be neither run again nor held back. A set-up
+        error: every life of the group would meet it again (``report_fatal``: ``lsync-ft-run`` ends the run)."""
+        module = getattr(self, "lightning_module", None)
+        if module is None or module.automatic_optimization:
+            return
+        message = (
+            f"ddp_sync_ft: {type(module).__name__} sets automatic_optimization = False (manual optimisation), which "
+            "ddp_sync_ft does not support: torchft commits every optimizer step through Lightning's automatic loop "
+            "(the strategy runs the step's closure, training_step and backward, itself: a step a lost replica group "
+            "interrupted is run again on the same batch, and the optimizer steps only if torchft commits it), while "
+            "a manual training_step calls backward and optimizer.step() itself, so a failed step could be neither "
+            "run again nor held back. Use automatic optimisation (leave automatic_optimization True and return the "
+            "loss from training_step), or strategy=\"ddp_sync\" without fault tolerance.")
+        report_fatal(message)
+        raise LightningSyncError(message)
 
     @property
     def manager(self) -> Any:

@@ -1,7 +1,7 @@
 """A Lightning fit under ``strategy="ddp_sync_ft"`` (a process per replica group, or P under
 ``lsync-ft-run --nproc-per-replica P``: ``devices=P``), for tests/test_ft.py.
 
-Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--samples 640] [--kill-at S [S2 ...]] [--stop-at S] [--ft-timeout SEC] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--timer] [--batchnorm] [--val]
+Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--samples 640] [--kill-at S [S2 ...]] [--stop-at S] [--ft-timeout SEC] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--timer] [--batchnorm] [--val] [--manual]
 Without it (the control): python tests/scripts/fit_ft.py --out DIR --control [--control-devices N] (Lightning's
 2-rank (N-rank) ddp_sync run of the same model, seed and data; each rank takes the shard a replica group's
 process takes: rank g * P + r that of group g's process r).
@@ -60,6 +60,22 @@ class Model(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+
+
+class ManualModel(Model):
+    """The same model under manual optimisation (``--manual``), which ``ddp_sync_ft`` refuses before any step."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__(dropout)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
 
 
 class Steps(L.Callback):
@@ -138,6 +154,7 @@ def main() -> None:
                    help="Timer in every group: group 0's runs out after 1 s of training, group 1's after an hour")
     p.add_argument("--ckpt-dir", default=None,
                    help="a ModelCheckpoint (every 2 steps, last.ckpt) in this directory; '{group}' becomes the group")
+    p.add_argument("--manual", action="store_true", help="manual optimisation (automatic_optimization = False)")
     p.add_argument("--samples", type=int, default=640, help="training samples (641: epoch 0's last step has 1 row)")
     p.add_argument("--invariant", action="store_true",
                    help="world_size_invariant=True: the loader's batch is the global one (32); --control runs 1 process")
@@ -146,7 +163,7 @@ def main() -> None:
         time.sleep(args.restart_delay)  # a slow restart: the others may finish the run meanwhile
     if not args.no_seed:
         L.seed_everything(7, verbose=False)
-    model = Model(args.dropout, args.batchnorm, args.invariant)
+    model = ManualModel(args.dropout) if args.manual else Model(args.dropout, args.batchnorm, args.invariant)
     if args.control:
         group, life, rank = int(os.environ.get("LOCAL_RANK", "0")), 0, 0
         strategy: object = ls.SyncDDPStrategy(world_size_invariant=args.invariant)

@@ -716,6 +716,28 @@ def test_ddp_sync_ft_outside_a_replica_group_and_bad_arguments_say_how_to_fix_th
     assert strategy.min_replicas == 1 and strategy.seed_stream_rank == 0
 
 
+def test_without_torchft_the_error_names_the_extra_to_install(monkeypatch) -> None:
+    """torchft is an extra: without it, require_torchft and building the strategy (by class or by its registry name,
+    inside a replica group's environment) say which one to install, and the ImportError behind it is kept."""
+    import lightning_sync as ls
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_sync.ft import require_torchft
+
+    monkeypatch.setitem(sys.modules, "torchft", None)  # `import torchft` raises ImportError
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
+    message = r"runs on torchft, which is not installed\. Install the extra: pip install \"lightning_sync\[ft\]\""
+    with pytest.raises(ImportError, match=message) as raised:
+        require_torchft()
+    assert isinstance(raised.value.__cause__, ImportError)
+    with pytest.raises(ImportError, match=message):
+        ls.FaultTolerantDDPStrategy()
+    with pytest.raises(ImportError, match=message):
+        StrategyRegistry.get("ddp_sync_ft")
+
+
 def test_output_dir_claims_refuse_another_group_of_the_same_run_only(tmp_path: Path) -> None:
     from lightning_sync.errors import LightningSyncError
     from lightning_sync.ft.outputs import claim_output_dirs, release_output_dirs, run_key

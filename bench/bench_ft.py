@@ -2,15 +2,20 @@
 
     python bench/bench_ft.py                      # --rounds 3 --steps 200 --width 128 (a tiny step)
     python bench/bench_ft.py --width 1024          # a step of ~20 ms on 2 cores: the fixed cost amortised
+    python bench/bench_ft.py --replicas 3          # 3 replica groups vs 3 ddp_sync ranks (issue 43's comparison)
     python bench/bench_ft.py --recovery            # 3 groups, group 1 SIGKILLed: the survivors' stall, the return
 
 The same MLP (32 -> width -> width -> 1, batch 64 a rank, a BatchNorm layer, one ``self.log`` a step, SGD)
 trained for ``--steps`` steps two ways, alternated ABBA after a dropped warm-up run of each, every run a fresh set of processes:
 
-* ``ddp_sync``: Lightning's launcher, 2 CPU ranks (``devices=2``);
-* ``ddp_sync_ft``: ``lsync-ft-run --replicas 2``, two replica groups of one process each (a quorum at every step
+* ``ddp_sync``: Lightning's launcher, ``--replicas`` N CPU ranks (``devices=N``; N = 2 by default);
+* ``ddp_sync_ft``: ``lsync-ft-run --replicas N``, N replica groups of one process each (a quorum at every step
   through torchft's lighthouse on loopback, the gradient buckets and BatchNorm buffers averaged / broadcast over
   torchft's process group, ``find_unused_parameters=True``, the step boundary kept for a recovering group).
+
+Each rank / group trains 64 rows a step of its own shard (``N * 64`` rows a step in all, the data set sized so
+that ``--steps`` steps are one epoch at every N). N processes on fewer cores than N (3 on a 2-core host) share
+them: both sides are slowed, the ratio is noisier than the absolute times suggest.
 
 Both read one loop iteration (batch start to the next batch start), median over the run's steps after the first
 20, on rank 0 / group 0. Also, inside the ft runs: the median time of the step-boundary bookkeeping
@@ -41,9 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1) -> None:
+def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1, replicas: int = 2) -> None:
     """One fit (a rank of ``ddp_sync``, or a replica group of ``ddp_sync_ft``); rank 0 / group 0 writes ``out``
-    (``kill_at`` >= 0: every group appends a line a step to ``out``.group<g>, and group 1 dies in that step)."""
+    (``kill_at`` >= 0: every group appends a line a step to ``out``.group<g>, and group 1 dies in that step;
+    ``replicas``: the ``ddp_sync`` ranks, and the replica groups the data set is sized for)."""
     import signal
 
     import lightning as L
@@ -94,7 +100,7 @@ def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1) -> N
 
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(64 * 2 * steps, 32, generator=g)
+    x = torch.randn(64 * replicas * steps, 32, generator=g)
     data = TensorDataset(x, x[:, 0] + 0.1 * torch.randn(len(x), generator=g))
     if mode == "ft":
         strategy: object = ls.FaultTolerantDDPStrategy()
@@ -111,7 +117,7 @@ def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1) -> N
 
             setattr(strategy, name, timed)
     else:
-        strategy, devices = ls.SyncDDPStrategy(), 2
+        strategy, devices = ls.SyncDDPStrategy(), replicas
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(MLP(), DataLoader(data, batch_size=64, shuffle=True))
@@ -121,10 +127,11 @@ def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1) -> N
         out.write_text(json.dumps(result))
 
 
-def run_once(mode: str, steps: int, out: Path, width: int) -> dict[str, float]:
+def run_once(mode: str, steps: int, out: Path, width: int, replicas: int) -> dict[str, float]:
     me = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--steps", str(steps), "--out", str(out),
-          "--width", str(width)]
-    cmd = me if mode == "ddp" else [sys.executable, "-m", "lightning_sync.ft.launch", "--replicas", "2", "--", *me]
+          "--width", str(width), "--replicas", str(replicas)]
+    cmd = me if mode == "ddp" else [sys.executable, "-m", "lightning_sync.ft.launch", "--replicas", str(replicas),
+                                    "--", *me]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"bench_ft: the {mode} run failed:\n{proc.stderr[-3000:]}")
@@ -139,7 +146,7 @@ def recovery(rounds: int, steps: int, kill_at: int, heartbeat_ms: int) -> list[d
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "run"
             me = [sys.executable, str(Path(__file__).resolve()), "--worker", "ft", "--steps", str(steps), "--out",
-                  str(out), "--kill-at", str(kill_at)]
+                  str(out), "--kill-at", str(kill_at), "--replicas", "3"]
             cmd = [sys.executable, "-m", "lightning_sync.ft.launch", "--replicas", "3", "--min-replicas", "1",
                    "--heartbeat-timeout-ms", str(heartbeat_ms), "--", *me]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -163,13 +170,18 @@ def main() -> None:
     p.add_argument("--worker", choices=("ddp", "ft"), default=None)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--width", type=int, default=128, help="the MLP's hidden width (the step's size)")
+    p.add_argument("--replicas", type=int, default=2,
+                   help="replica groups of ddp_sync_ft, and ranks of ddp_sync, compared (default 2; not --recovery, "
+                   "which runs 3)")
     p.add_argument("--recovery", action="store_true", help="time a group's loss and return instead")
     p.add_argument("--kill-at", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--heartbeats", type=int, nargs="+", default=[5000, 1000],
                    help="--recovery: lsync-ft-run --heartbeat-timeout-ms values to time (default 5000 1000)")
     args = p.parse_args()
+    if args.replicas < 1:
+        p.error(f"--replicas {args.replicas}: give 1 or more (the replica groups, and ddp_sync's ranks, compared)")
     if args.worker:
-        worker(args.worker, args.steps, args.out, args.width, args.kill_at)
+        worker(args.worker, args.steps, args.out, args.width, args.kill_at, args.replicas)
         return
     if args.recovery:
         steps = max(args.steps, 1500)  # the survivors still train when the restarted group is back
@@ -186,18 +198,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         order = ["ddp", "ft"] + [m for _ in range(args.rounds) for m in ("ddp", "ft", "ft", "ddp")]
         for i, mode in enumerate(order):
-            result = run_once(mode, args.steps, Path(tmp) / f"{i}.json", args.width)
+            result = run_once(mode, args.steps, Path(tmp) / f"{i}.json", args.width, args.replicas)
             if i >= 2:  # the first run of each: warm-up (file caches, the lighthouse binary)
                 results[mode].append(result)
     ddp = statistics.median(r["step_ms"] for r in results["ddp"])
     ft = statistics.median(r["step_ms"] for r in results["ft"])
     boundary = statistics.median(r.get("mark_step_boundary_ms", float("nan")) for r in results["ft"])
     quorum = statistics.median(r.get("start_quorum_ms", float("nan")) for r in results["ft"])
-    print(f"bench_ft: 2 CPU processes, {args.steps} steps of batch 64 a rank, MLP width {args.width}, "
-          f"{args.rounds} ABBA rounds (median loop iteration of each run, median over runs)")
-    print(f"  ddp_sync (2 ranks)          {ddp:7.3f} ms a step   runs: "
+    n, cores = args.replicas, os.cpu_count() or 0
+    print(f"bench_ft: {n} CPU processes on {cores} cores, {args.steps} steps of batch 64 a rank, MLP width "
+          f"{args.width}, {args.rounds} ABBA rounds (median loop iteration of each run, median over runs)")
+    print(f"  ddp_sync ({n} ranks)          {ddp:7.3f} ms a step   runs: "
           + " ".join(f"{r['step_ms']:.2f}" for r in results["ddp"]))
-    print(f"  ddp_sync_ft (2 groups of 1) {ft:7.3f} ms a step   runs: "
+    print(f"  ddp_sync_ft ({n} groups of 1) {ft:7.3f} ms a step   runs: "
           + " ".join(f"{r['step_ms']:.2f}" for r in results["ft"]))
     print(f"  steps/s ratio ft / ddp_sync: {ddp / ft:.3f}; inside an ft step: quorum {quorum:.3f} ms, step boundary "
           f"bookkeeping {boundary:.3f} ms")

@@ -27,7 +27,15 @@ def format_ranks(values: Mapping[int, Any] | Sequence[Any]) -> str:
 
 
 class LightningSyncError(RuntimeError):
-    """Base class of every lightning_sync error about distributed state."""
+    """Base class of every lightning_sync error about distributed state.
+
+    Attributes:
+        backend_error: where the guard explains a collective that failed in the backend (gloo's "Connection closed
+            by peer", NCCL's abort), that backend's exception (``None`` otherwise). It is kept here rather than as
+            the exception's ``__cause__`` so that a failure prints one traceback, not two.
+    """
+
+    backend_error: BaseException | None = None
 
 
 class RankMismatchError(LightningSyncError):

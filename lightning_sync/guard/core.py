@@ -140,7 +140,7 @@ class CollectiveGuard:
             Python cannot, e.g. in DDP's C++ all-reduce) before the rank writes its report and ends
             with exit code 70. Default ``max(30, min(timeout, 120))``; ``math.inf``: never.
         confirm_first: on gloo, before a checked collective's data moves, every rank's token of it
-            (op, shapes, call site) is compared in one all-reduce of four int64 on a gloo group of the
+            (op, shapes, call site) is compared in one all-reduce of two int64 on a gloo group of the
             guard's own. Done by default for calls on the world group, where DDP's gradient
             all-reduce runs (a check there, or a collective on one rank only, would pair on the wire
             with a gradient bucket, and gloo aborts the process on the size mismatch);
@@ -499,7 +499,10 @@ class CollectiveGuard:
             return _NOTHING
         confirmed = self._confirms(group)
         if confirmed:
-            self._confirm(fp, op, group)
+            try:
+                self._confirm(fp, op, group)
+            except LightningSyncError as err:
+                raise err.with_traceback(None)  # noqa: B904 - the guard's frames below it cut from the traceback
         return _Guarded(self, confirmed)
 
     def refusing(self, error: Callable[[str, str], BaseException]) -> Any:
@@ -689,7 +692,10 @@ class CollectiveGuard:
         if fp is None:
             return 0
         if self._confirms(group):
-            self._confirm(fp, name, group)
+            try:
+                self._confirm(fp, name, group)
+            except LightningSyncError as err:
+                raise err.with_traceback(None)  # noqa: B904 - the guard's frames below it cut from the traceback
         return zlib.crc32("\x1f".join(fp.key(self.match_call_sites)).encode()) or 1
 
     def _record_exchange(self, name: str, match: str, group: Any, site: str | None) -> None:
@@ -721,10 +727,11 @@ class CollectiveGuard:
         return error
 
     def _explain(self, err: BaseException) -> BaseException:
-        """A collective failed (a peer's connection closed ...): say which rank died, if one did."""
+        """A collective failed (a peer's connection closed ...): say which rank died, if one did. The error
+        returned keeps ``err`` as its ``backend_error`` (raise it ``from None``: one traceback a rank)."""
         failure = self._failure()
         if failure is not None:
-            failure.__cause__ = err
+            _keep_backend_error(failure, err)
             return failure
         monitor, recorder = self._monitor, self._recorder
         if monitor is None or recorder is None:
@@ -734,7 +741,7 @@ class CollectiveGuard:
         # posted error says why, which beats gloo's "Connection closed by peer".
         failure = self._failure() or monitor.peer_abort()
         if failure is not None:
-            failure.__cause__ = err
+            _keep_backend_error(failure, err)
             monitor.raised = True
             return failure
         lost = monitor.lost_peers(self._stream)
@@ -744,7 +751,7 @@ class CollectiveGuard:
         where = f"while rank {self._rank} waited in guarded collective " + (
             f"#{last[-1].seq} {last[-1].describe()}" if last else "")
         error = report.lost(lost, err, where)
-        error.__cause__ = err
+        _keep_backend_error(error, err)
         monitor.fail(error, raised=True)
         return error
 
@@ -965,3 +972,10 @@ _recording_allreduce_hook.__annotations__ = {"state": _BucketHookState, "bucket"
 def _stop_all() -> None:
     for guard in list(_active):
         guard.uninstall()
+
+
+def _keep_backend_error(error: BaseException, backend: BaseException) -> None:
+    """``backend`` (the collective's own failure) kept on the guard's ``error`` as ``backend_error``, not as its
+    ``__cause__``: Python would print it as a second traceback."""
+    if error is not backend:
+        error.backend_error = backend  # type: ignore[attr-defined]

@@ -44,6 +44,7 @@ from torch import Tensor
 from lightning_sync._compat.torch_api import (AUTOGRAD_MODULES, C10D_MODULES, DYNAMO_DISABLE_MODULE, WorkBase,
                                              current_autograd_node)
 from lightning_sync.collectives import backend_for
+from lightning_sync.errors import LightningSyncError
 from lightning_sync.guard.callsite import is_trusted
 from lightning_sync.guard.fingerprint import describe_tensor, op_name
 
@@ -246,7 +247,10 @@ class _SlicedWork(_Work):  # type: ignore[misc]
         inner = self._inner
         if (timeout is not None and timeout != timedelta(0)) or guard is None or not guard.active:
             return bool(inner.wait(timeout) if timeout is not None else inner.wait())
-        wait_sliced(inner, guard, self._group)
+        try:
+            wait_sliced(inner, guard, self._group)
+        except LightningSyncError as err:
+            raise err.with_traceback(None)  # noqa: B904 - the guard's frames below it cut from the traceback
         return True
 
     def get_future(self) -> Any:
@@ -288,7 +292,12 @@ def wait_sliced(work: Any, guard: Any, group: Any) -> None:
 
 def _method(name: str) -> Any:
     def method(self: WatchedGroup, *args: Any, **kwargs: Any) -> Any:
-        return self._call(name, args, kwargs)
+        try:
+            return self._call(name, args, kwargs)
+        except LightningSyncError as err:
+            # the guard's error, raised from here: the user's traceback ends at the collective they called (and
+            # this line), not in the guard's frames below it
+            raise err.with_traceback(None)  # noqa: B904 - the guard's frames below it cut from the traceback
 
     method.__name__ = method.__qualname__ = name
     # Dynamo, tracing a torch.distributed function it does not map to an in-graph collective, meets the group's

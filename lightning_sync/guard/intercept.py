@@ -136,7 +136,7 @@ def wait_in_slices(work: Any, guard: Any, group: Any, poll: timedelta) -> None:
                     work.wait(poll)
                     return
                 except RuntimeError as real:
-                    raise guard._explain(real) from err
+                    raise guard._explain(real) from None
         failure = guard._failure()
         if failure is not None:
             abandon(work, group)

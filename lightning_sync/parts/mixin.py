@@ -243,12 +243,13 @@ class SyncStrategyMixin:
                 return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
         except RuntimeError as err:
             # DDP's gradient all-reduce failed in C++ (a peer that failed first closed its connections): the
-            # guard's report says why, where it has one, instead of gloo's "Connection closed by peer"
+            # guard's report says why, where it has one, instead of gloo's "Connection closed by peer" (kept as
+            # the error's backend_error: one traceback, not two)
             guard = self.guard
             explained = guard._explain(err) if guard is not None and guard.active else err
             if explained is err:
                 raise
-            raise explained from err
+            raise explained from None
 
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]

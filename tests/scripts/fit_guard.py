@@ -57,12 +57,6 @@ class Model(L.LightningModule):
         if self.scenario == "log_keys_synced":
             # the mistake: per-rank keys synced, so each rank's reduction pairs with another metric
             self.log(f"loss_rank{self.global_rank}", loss, on_step=False, on_epoch=True, sync_dist=True)
-        if self.scenario in ("rank0_all_reduce", "rank0_all_reduce_bn") and self.global_rank == 0 and batch_idx == 1:
-            mistake_made(self.out)
-            torch.distributed.all_reduce(loss.detach().clone())  # the mistake: rank 1 goes on into DDP's backward
-        if self.scenario == "rank0_barrier" and self.global_rank == 0 and batch_idx == 1:
-            mistake_made(self.out)
-            torch.distributed.barrier()  # the same with a barrier
         if self.scenario == "rank1_raises" and self.global_rank == 1 and batch_idx == 1:
             raise ValueError("a bad batch on rank 1")  # the program's own error, on one rank
         if self.scenario == "buffer_drift" and self.global_rank == 1:
@@ -81,9 +75,6 @@ class Model(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        if self.scenario == "rank0_all_reduce_val" and self.global_rank == 0 and batch_idx == 0:
-            mistake_made(self.out)
-            torch.distributed.all_reduce(x.sum())  # the mistake in evaluation: rank 1 goes on to the next batch
         self.log("val_loss", nn.functional.mse_loss(self.net(x).squeeze(-1), y), sync_dist=True)
 
     def configure_optimizers(self):

@@ -125,7 +125,13 @@ def backend_for(group: dist.ProcessGroup | None = None, device: torch.device | s
     for gets its first one. Every question "is this call on gloo or on NCCL?" in lightning_sync is asked
     here, so a mixed group sends CPU tensors through gloo and CUDA tensors through NCCL alike everywhere.
     Raises ``ValueError`` where this rank is not a member of ``group`` (as ``dist.get_backend`` does)."""
-    spec = str(dist.get_backend(group)).lower()
+    return _backend_in_spec(str(dist.get_backend(group)), device)
+
+
+def _backend_in_spec(spec: str, device: torch.device | str = "cpu") -> str:
+    """:func:`backend_for` of a backend string before any group exists (``"nccl"``, ``"cpu:gloo,cuda:nccl"``):
+    the backend that string gives tensors on ``device``."""
+    spec = spec.lower()
     if ":" not in spec:
         return spec
     table = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)

@@ -375,3 +375,14 @@ def test_backend_for_resolves_a_mixed_group_per_device(tmp_path) -> None:
         assert r == {"spec": "cpu:gloo,cuda:lsync_cuda_slot", "cpu": "gloo", "cuda": "lsync_cuda_slot",
                      "cuda0": "lsync_cuda_slot", "other": "gloo", "plain": "gloo", "cpu_call_on_gloo": True,
                      "mean": 1.5}
+
+
+def test_a_backend_string_is_resolved_per_device_before_any_group_exists() -> None:
+    """The guard turns NCCL's flight recorder on before the process group exists, from the strategy's backend
+    string: a mixed "cpu:gloo,cuda:nccl" group carries its CUDA tensors on NCCL, so it needs the recorder too
+    (comparing the whole string with "nccl" left it off)."""
+    resolve = C._backend_in_spec
+    assert resolve("nccl", "cuda") == "nccl" and resolve("GLOO", "cpu") == "gloo"
+    assert resolve("cpu:gloo,cuda:nccl", "cuda") == "nccl" and resolve("cpu:gloo,cuda:nccl", "cpu") == "gloo"
+    assert resolve("cpu:gloo,cuda:nccl", torch.device("cuda", 1)) == "nccl"
+    assert resolve("cpu:gloo", "cuda") == "gloo"  # no backend for the device's type: the first one

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_sync._compat import lightning_api as _compat
+from lightning_sync.collectives import _backend_in_spec
 from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.guard.nccl import configure_nccl_flight_recorder
 from lightning_sync.parts.base import Part
@@ -31,7 +32,8 @@ class GuardPart(Part):
         return (SamplerCheck(),) if self.guard is not None else ()
 
     def before_setup_distributed(self, strategy: Any) -> None:
-        if self.guard is not None and _compat.process_group_backend(strategy) == "nccl":
+        # (a mixed "cpu:gloo,cuda:nccl" group carries its CUDA tensors on NCCL: the recorder is for them)
+        if self.guard is not None and _backend_in_spec(_compat.process_group_backend(strategy), "cuda") == "nccl":
             configure_nccl_flight_recorder()  # read by NCCL at process-group creation: set it first
 
     def setup_distributed(self, strategy: Any, fresh: bool) -> None:

@@ -56,6 +56,7 @@ __all__ = [
     "PADDED_SAMPLER_WARNING",
     "restore_warning",
     "silence_not_resumable_warning",
+    "ignore_in_place",
     "silence_padded_sampler_warning",
     "raise_sigterm_exception",
     "remove_step_flag_broadcast",
@@ -494,12 +495,9 @@ PADDED_SAMPLER_WARNING = r"Using `DistributedSampler` with the dataloaders\. Dur
 
 def silence_padded_sampler_warning() -> Any:
     """Filter out :data:`PADDED_SAMPLER_WARNING` (only that one); returns the filter for :func:`restore_warning`."""
-    import warnings
-
     from lightning.fabric.utilities.warnings import PossibleUserWarning
 
-    warnings.filterwarnings("ignore", message=PADDED_SAMPLER_WARNING, category=PossibleUserWarning)
-    return warnings.filters[0]
+    return ignore_in_place(PADDED_SAMPLER_WARNING, PossibleUserWarning)
 
 
 #: Lightning's warning at a mid-epoch resume with a training loader it has no state of
@@ -510,12 +508,9 @@ NOT_RESUMABLE_WARNING = r"You're resuming from a checkpoint that ended before th
 
 def silence_not_resumable_warning() -> Any:
     """Filter out :data:`NOT_RESUMABLE_WARNING` (only that one); returns the filter for :func:`restore_warning`."""
-    import warnings
-
     from lightning.fabric.utilities.warnings import PossibleUserWarning
 
-    warnings.filterwarnings("ignore", message=NOT_RESUMABLE_WARNING, category=PossibleUserWarning)
-    return warnings.filters[0]
+    return ignore_in_place(NOT_RESUMABLE_WARNING, PossibleUserWarning)
 
 
 def _not_resumable_warning_fits() -> bool:
@@ -530,8 +525,22 @@ def restore_warning(entry: Any) -> None:
 
     filters: list[Any] = warnings.filters  # type: ignore[assignment]  # a list at run time
     if entry in filters:
-        filters.remove(entry)
-        warnings._filters_mutated()  # type: ignore[attr-defined]  # drop the cached decisions
+        filters.remove(entry)  # in place, as _ignore_in_place added it
+
+
+def ignore_in_place(message: str, category: type[Warning]) -> Any:
+    """An "ignore" filter for ``message`` (a regular expression, as ``warnings.filterwarnings`` takes it) put first
+    in ``warnings.filters`` in place, without ``warnings.filterwarnings``: that also tells every module's
+    registry to forget which warnings it has shown, so each "default" warning Lightning and torch had already shown
+    once (a deprecation at each evaluation) would be shown again at every ``validate``/``test``. An ignored warning
+    leaves no entry in a registry, so nothing is cached while the filter is in or after it is removed."""
+    import re
+    import warnings
+
+    entry = ("ignore", re.compile(message, re.I), category, None, 0)  # the tuple filterwarnings makes
+    filters: list[Any] = warnings.filters  # type: ignore[assignment]  # a list at run time
+    filters.insert(0, entry)
+    return entry
 
 
 def _padded_warning_fits() -> bool:

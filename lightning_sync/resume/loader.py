@@ -4,11 +4,11 @@ worker RNG snapshots and a checked, re-shardable state (``make_resumable`` build
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any, Sized
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
+from lightning_sync._compat import lightning_api as _compat
 from lightning_sync.errors import ResumeError
 from lightning_sync.resume.sampler import ResumableDistributedSampler, check_sampler_state
 from lightning_sync.resume.workers import _WorkerRNGDataset
@@ -142,9 +142,12 @@ def make_resumable(dataloader: object, *, warn: bool = True) -> object:
                                               shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
     new_sampler.epoch = sampler.epoch
     workers = dataloader.num_workers
-    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
-        warnings.filterwarnings("ignore", message=".*set_vital.*")
+    # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13 (not catch_warnings: see ignore_in_place)
+    quiet = _compat.ignore_in_place(".*set_vital.*", Warning)
+    try:
         return _build(dataloader, dataset, new_sampler, workers)
+    finally:
+        _compat.restore_warning(quiet)
 
 
 def _build(dataloader: DataLoader, dataset: Any, sampler: ResumableDistributedSampler, workers: int) -> object:  # type: ignore[type-arg]

@@ -124,7 +124,7 @@ def main() -> str:
         with warnings.catch_warnings(record=True) as caught:  # Lightning's own filters stay as they are
             report["validate"] = scalars(trainer.validate(model, verbose=False)[0])
             report["test"] = scalars(trainer.test(model, verbose=False)[0])
-        report["eval_warnings"] = sorted({str(w.message)[:90] for w in caught})
+        report["eval_warnings"] = sorted(str(w.message)[:90] for w in caught)  # as often as each was shown
         predictions = trainer.predict(model)
         report["predicted"] = sum(len(p) for p in predictions)
         report["best"] = Path(ckpt.best_model_path).name if ckpt.best_model_path else None

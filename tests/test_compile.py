@@ -11,7 +11,11 @@ could change, not the backend's code generation.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -194,3 +198,25 @@ def test_eager_collectives_are_still_recorded() -> None:
         assert "broadcast" in r["history"][-2] and "all_reduce" in r["history"][-1], r["history"]
         x0, x1 = _input(0), _input(1)
         assert torch.equal(r["out"], (x0 * 2 + x1 * 2) + 1), (rank, r["out"])
+
+
+FIT_SCRIPT = Path(__file__).parent / "scripts" / "compile_in_fit.py"
+
+
+@pytest.mark.slow
+def test_compile_inside_a_ddp_sync_fit_sees_what_it_sees_under_ddp(tmp_path: Path) -> None:
+    """Issue 40, point 1, as a user meets it: inside a fit's training step under ``strategy="ddp_sync"`` (the
+    default group watched), ``torch._dynamo.explain`` of functions issuing collectives gives the graph and
+    graph-break counts it gives under ``strategy="ddp"``, and the compiled functions the same values."""
+    reports = {}
+    for strategy in ("ddp", "ddp_sync"):
+        out = tmp_path / strategy
+        out.mkdir()
+        proc = subprocess.run(["timeout", "-k", "5", "240", sys.executable, str(FIT_SCRIPT), str(out), strategy],
+                              capture_output=True, text=True, timeout=260)
+        assert proc.returncode == 0, f"{strategy}: exit {proc.returncode}\n{proc.stderr[-5000:]}"
+        reports[strategy] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for plain, synced in zip(reports["ddp"], reports["ddp_sync"]):
+        assert synced.pop("watched") == "WatchedGroup" and plain.pop("watched") != "WatchedGroup", (plain, synced)
+        assert synced == plain, (plain, synced)
+        assert (plain["all_reduce"]["graphs"], plain["all_reduce"]["breaks"]) == (1, 0)  # the issue's function

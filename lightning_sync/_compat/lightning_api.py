@@ -520,12 +520,12 @@ def _not_resumable_warning_fits() -> bool:
 
 
 def restore_warning(entry: Any) -> None:
-    """Remove a filter :func:`silence_padded_sampler_warning` added (idempotent)."""
+    """Remove a filter :func:`ignore_in_place` (or a ``silence_*`` function) added (idempotent)."""
     import warnings
 
     filters: list[Any] = warnings.filters  # type: ignore[assignment]  # a list at run time
     if entry in filters:
-        filters.remove(entry)  # in place, as _ignore_in_place added it
+        filters.remove(entry)  # in place, as ignore_in_place added it
 
 
 def ignore_in_place(message: str, category: type[Warning]) -> Any:

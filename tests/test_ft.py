@@ -371,6 +371,9 @@ def test_with_world_size_invariant_the_live_groups_train_a_missing_groups_slices
     assert proc.returncode == 0, proc.stderr[-6000:]
     ends = [torch.load(tmp_path / "ft" / f"group{g}.pt") for g in range(groups)]
     assert [end["life"] for end in ends] == [0, 1, 0][:groups], _why(proc.stderr)  # only the killed group restarted
+    for survivor in (0, 2):  # the survivors kept their processes: one pid over every step
+        assert len({r["pid"] for r in _steps(tmp_path / "ft", survivor)}) == 1
+    assert not list(tmp_path.rglob("*.ckpt")), "a checkpoint file was written: recovery is from a live group"
     assert all(torch.equal(ends[0]["weights"], end["weights"]) for end in ends[1:])
     away = [r for r in _steps(tmp_path / "ft", 0) if r["participants"] < groups]
     assert away, "group 0 never trained without group 1: the test did not test the take-over"

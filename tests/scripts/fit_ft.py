@@ -114,7 +114,7 @@ class Steps(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         report = dict(getattr(trainer.strategy, "ft_report", {}))
         weights = torch.cat([t.detach().flatten() for t in pl_module.parameters()])
-        line = {"life": self.life, "step": trainer.global_step, "t": time.time(), "epoch": trainer.current_epoch, "batch_idx": batch_idx,
+        line = {"life": self.life, "pid": os.getpid(), "step": trainer.global_step, "t": time.time(), "epoch": trainer.current_epoch, "batch_idx": batch_idx,
                 "batch": float(batch[1].sum()), "weights": float(weights.double().abs().sum()), **report,
                 **{k: float(trainer.callback_metrics[k]) for k in ("loss", "loss_synced") if k in trainer.callback_metrics}}
         with open(self.out / f"{self.name}.log", "a") as f:

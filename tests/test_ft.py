@@ -624,6 +624,11 @@ def test_a_restarted_lighthouse_costs_a_quorum_timeout_and_no_group_restarts(tmp
     assert torch.equal(ends[0]["weights"], ends[1]["weights"])
     steps = [r["step"] for r in _steps(out, 0)]
     assert steps == sorted(set(steps)) and steps[-1] == 200 and steps[59] == 60
+    # bounded: the longest pause between two steps is the lost request's quorum_timeout (5 s) and the restart (2 s),
+    # with room for a loaded machine, never a hang
+    times = [r["t"] for r in _steps(out, 0)]
+    stall = max(b - a for a, b in zip(times, times[1:]))
+    assert 4.5 < stall < 5 + 2 + 15, f"the longest pause between two steps: {stall:.1f} s"
     one_process = _control(tmp_path / "control", "--steps", "200", "--samples", "3200", "--invariant")
     assert torch.allclose(ends[0]["weights"], one_process, rtol=0, atol=1e-5 * one_process.abs().max().item())
 

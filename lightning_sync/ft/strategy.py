@@ -167,14 +167,16 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         super().setup_distributed()
         lineage = self.seed_lineage
         if lineage is not None and lineage.origin == "entropy":
-            raise LightningSyncError(
+            _refuse(  # (a set-up error: every life of the group would draw its own seed again)
                 "ddp_sync_ft: every replica group must start from the same root seed (the groups split the training "
                 "data by it, and build the same model from it), but none was given, so each group drew its own. "
                 "Pass FaultTolerantDDPStrategy(seed=N) or call lightning.seed_everything(N) before building the "
                 "model, with the same N in every group.")
         trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
         if self._ctx is None and trainer is not None and trainer.state.fn == "fit":
-            self._refuse_manual_optimization()  # (before the first quorum: no group waits for one that refuses)
+            # (before the first quorum: no group waits for one that refuses)
+            self._refuse_manual_optimization()
+            _refuse_accumulation(trainer)
             self._ctx = replica_context(self._state_for_peer, self._load_from_peer, min_replica_size=self.min_replicas,
                                         timeout=self.ft_timeout, quorum_timeout=self.quorum_timeout,
                                         use_async_quorum=False, init_sync=False, group=self.replica_group,
@@ -203,8 +205,7 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
             "a manual training_step calls backward and optimizer.step() itself, so a failed step could be neither "
             "run again nor held back. Use automatic optimisation (leave automatic_optimization True and return the "
             "loss from training_step), or strategy=\"ddp_sync\" without fault tolerance.")
-        report_fatal(message)
-        raise LightningSyncError(message)
+        _refuse(message)
 
     @property
     def manager(self) -> Any:
@@ -352,9 +353,8 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         if self._ctx is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
-        if trainer is not None and trainer.accumulate_grad_batches != 1:
-            raise LightningSyncError("ddp_sync_ft: accumulate_grad_batches > 1 is not supported yet (torchft commits "
-                                     "every optimizer step); pass a larger batch instead.")
+        if trainer is not None:
+            _refuse_accumulation(trainer)  # (again here: a GradientAccumulationScheduler changes it at an epoch)
         manager = self.manager
         rng = _collect_rng_state()
         # what a forward and self.log change outside the optimizer, put back before the step is run again
@@ -671,6 +671,19 @@ class _StepBoundary(pl.Callback):
         # where a checkpoint of this step would be written: a group recovering from this one at the next step's
         # quorum (at its start, after every hook of this one) is sent this position with the weights it has then
         strategy.mark_step_boundary(trainer)
+
+
+def _refuse(message: str) -> None:
+    """A set-up error of ``ddp_sync_ft``, which every life of the group would meet again: ``lsync-ft-run`` is told not
+    to restart the group (``report_fatal``), then the error is raised."""
+    report_fatal(message)
+    raise LightningSyncError(message)
+
+
+def _refuse_accumulation(trainer: Any) -> None:
+    if trainer.accumulate_grad_batches != 1:
+        _refuse(f"ddp_sync_ft: accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported yet "
+                "(torchft commits every optimizer step); pass a larger batch instead, or use strategy=\"ddp_sync\".")
 
 
 def _replica_allreduce_hook(strategy: FaultTolerantDDPStrategy, bucket: Any) -> torch.futures.Future[torch.Tensor]:

@@ -155,6 +155,7 @@ def main() -> None:
     p.add_argument("--ckpt-dir", default=None,
                    help="a ModelCheckpoint (every 2 steps, last.ckpt) in this directory; '{group}' becomes the group")
     p.add_argument("--manual", action="store_true", help="manual optimisation (automatic_optimization = False)")
+    p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=)")
     p.add_argument("--samples", type=int, default=640, help="training samples (641: epoch 0's last step has 1 row)")
     p.add_argument("--invariant", action="store_true",
                    help="world_size_invariant=True: the loader's batch is the global one (32); --control runs 1 process")
@@ -174,7 +175,7 @@ def main() -> None:
                                                quorum_timeout=args.quorum_timeout)
         devices, rank = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))  # torchrun's
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=args.steps, logger=False,
-                        sync_batchnorm=args.sync_bn,
+                        sync_batchnorm=args.sync_bn, accumulate_grad_batches=args.accumulate,
                         **({"val_check_interval": 10} if args.val else {}),
                         enable_checkpointing=args.ckpt_dir is not None, enable_progress_bar=False,
                         enable_model_summary=False,

@@ -582,8 +582,7 @@ def _lighthouse(port: int) -> subprocess.Popen[bytes]:
 
 
 @pytest.mark.slow
-@pytest.mark.alone
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(420)  # (beside the other worker's tests: its stall bound leaves room for a loaded machine)
 def test_a_restarted_lighthouse_costs_a_quorum_timeout_and_no_group_restarts(tmp_path: Path) -> None:
     """The groups join a lighthouse of their own (``--lighthouse``), which is SIGKILLed after step 60 and started
     again on its address 2 s later. The quorum request in flight is lost with it: each group waits quorum_timeout

@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
@@ -673,7 +673,7 @@ class _StepBoundary(pl.Callback):
         strategy.mark_step_boundary(trainer)
 
 
-def _refuse(message: str) -> None:
+def _refuse(message: str) -> NoReturn:
     """A set-up error of ``ddp_sync_ft``, which every life of the group would meet again: ``lsync-ft-run`` is told not
     to restart the group (``report_fatal``), then the error is raised."""
     report_fatal(message)

@@ -41,8 +41,7 @@ class Model(L.LightningModule):
         super().__init__()
         self.scenario = scenario
         self.out = out
-        bn = [nn.BatchNorm1d(8)] if scenario.endswith("_bn") else []  # synchronised: sync_batchnorm=True below
-        self.net = nn.Sequential(nn.Linear(4, 8), *bn, nn.ReLU(), nn.Linear(8, 1))
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
         self.register_buffer("seen", torch.zeros(()))
 
     def training_step(self, batch, batch_idx):
@@ -111,7 +110,6 @@ def main() -> None:
         strategy_kwargs["broadcast_buffers"] = False
     check = ls.ParameterConsistencyCheck(every_n_steps=2)
     trainer = L.Trainer(
-        sync_batchnorm=scenario.endswith("_bn"),
         accelerator="cpu", devices=2, strategy=ls.SyncDDPStrategy(seed=7, **strategy_kwargs), max_epochs=args.epochs,
         logger=False, enable_checkpointing=scenario == "ok",
         use_distributed_sampler=not plain, callbacks=[] if args.no_guard else [check], default_root_dir=str(args.out),

@@ -292,14 +292,15 @@ def test_two_replica_groups_train_what_two_ddp_ranks_train(tmp_path: Path) -> No
 def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(tmp_path: Path) -> None:
     """--min-replicas 2, group 1 SIGKILLed in the middle of step 11: the survivor's step that the kill interrupted
     is run again once the restarted group is back; the restarted group's fit (no ckpt_path) is restored from the
-    survivor's checkpoint at the end of step 10, sent by torchft (weights, optimizer, loops, data position): the
+    survivor's checkpoint at the end of step 10, sent by torchft (weights, optimizer, a StepLR scheduler stepped
+    every step, loops, data position): the
     run ends, across an epoch boundary, with the weights of the 2-rank ddp_sync run without a fault, bit for bit
     (no dropout: the lost group's random stream died with it). The survivor's step that was run again puts back
     what its first attempt changed outside the optimizer: BatchNorm's running statistics are updated once and its
     logged epoch mean counts the step once (both were counted twice before)."""
     proc = _ft_run(tmp_path / "ft", ["--replicas", "2", "--min-replicas", "2"],
-                   ["--steps", "40", "--kill-at", "10", "--dropout", "0", "--batchnorm", "--val"], script=FIT,
-                   timeout=240)
+                   ["--steps", "40", "--kill-at", "10", "--dropout", "0", "--batchnorm", "--val", "--scheduler"],
+                   script=FIT, timeout=240)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "replica group 1 ended (killed by SIGKILL); restarting it (restart 1 of 3)" in proc.stderr
     assert "ddp_sync_ft: replica group 1 (life 1) recovers from a live group at step 10 (global step 10)" in proc.stderr
@@ -308,7 +309,7 @@ def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(t
     assert (first["life"], second["life"], first["global_step"], second["global_step"]) == (0, 1, 40, 40)
     assert torch.equal(first["weights"], second["weights"])
     assert torch.equal(first["weights"], _control(tmp_path / "control", "--steps", "40", "--dropout", "0",
-                                                  "--batchnorm", "--val"))
+                                                  "--batchnorm", "--val", "--scheduler"))
     for group in (0, 1):
         _same_state(tmp_path / "ft", tmp_path / "control", group)  # running statistics included
     _same_means(_epoch_means(tmp_path / "ft", 0), _epoch_means(tmp_path / "control", 0))  # the redone epoch too
@@ -364,13 +365,19 @@ def test_with_world_size_invariant_the_live_groups_train_a_missing_groups_slices
     (``missing_shards`` 0), and every group ends within float rounding of ONE process training with batch 32,
     dropout included. 641 samples: epoch 0's last step has 1 row, trained while group 1 is away (the other live
     group runs a stand-in weighted zero)."""
-    kill_at = "10" if samples == 640 else "20"  # 641: group 1 dies in step 20, which the live groups then redo
-    proc = _ft_run(tmp_path / "ft", ["--replicas", str(groups), "--heartbeat-timeout-ms", "1000", *PACED_JOIN],
+    # 640: issue 43's case, group 1 SIGKILLed in step 7 of 40 and --max-restarts 1; 641: group 1 dies in step 21,
+    # which the live groups then redo
+    kill_at = "6" if samples == 640 else "20"
+    proc = _ft_run(tmp_path / "ft", ["--replicas", str(groups), "--max-restarts", "1", "--heartbeat-timeout-ms", "1000",
+                                     *PACED_JOIN],
                    ["--steps", "40", "--kill-at", kill_at, "--alone-sleep", "0.5", "--invariant", "--samples",
                     str(samples)], script=FIT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
     ends = [torch.load(tmp_path / "ft" / f"group{g}.pt") for g in range(groups)]
     assert [end["life"] for end in ends] == [0, 1, 0][:groups], _why(proc.stderr)  # only the killed group restarted
+    assert "replica group 1 ended (killed by SIGKILL); restarting it (restart 1 of 1)" in proc.stderr
+    # its first life committed the steps before the kill (LSYNC_FT_RESTART=0), its second the rest (=1)
+    assert max(r["step"] for r in _steps(tmp_path / "ft", 1) if r["life"] == 0) == int(kill_at)
     for survivor in (0, 2):  # the survivors kept their processes: one pid over every step
         assert len({r["pid"] for r in _steps(tmp_path / "ft", survivor)}) == 1
     assert not list(tmp_path.rglob("*.ckpt")), "a checkpoint file was written: recovery is from a live group"

@@ -1,7 +1,7 @@
 """A Lightning fit under ``strategy="ddp_sync_ft"`` (a process per replica group, or P under
 ``lsync-ft-run --nproc-per-replica P``: ``devices=P``), for tests/test_ft.py.
 
-Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--samples 640] [--kill-at S [S2 ...]] [--stop-at S] [--ft-timeout SEC] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--timer] [--batchnorm] [--val] [--manual]
+Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--samples 640] [--kill-at S [S2 ...]] [--stop-at S] [--ft-timeout SEC] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--timer] [--batchnorm] [--scheduler] [--val] [--manual]
 Without it (the control): python tests/scripts/fit_ft.py --out DIR --control [--control-devices N] (Lightning's
 2-rank (N-rank) ddp_sync run of the same model, seed and data; each rank takes the shard a replica group's
 process takes: rank g * P + r that of group g's process r).
@@ -37,9 +37,10 @@ from _ft_pacing import AlonePacer, announce_restart  # (tests/scripts/, the scri
 
 
 class Model(L.LightningModule):
-    def __init__(self, dropout: float, batchnorm: bool = False, invariant: bool = False) -> None:
+    def __init__(self, dropout: float, batchnorm: bool = False, invariant: bool = False,
+                 scheduler: bool = False) -> None:
         super().__init__()
-        self.invariant = invariant
+        self.invariant, self.scheduler = invariant, scheduler
         norm = [nn.BatchNorm1d(32)] if batchnorm else []
         self.net = nn.Sequential(nn.Linear(8, 32), *norm, nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 1))
 
@@ -59,7 +60,12 @@ class Model(L.LightningModule):
         self.log("val_loss", nn.functional.mse_loss(self.net(x).squeeze(-1), y), sync_dist=True)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+        if not self.scheduler:
+            return optimizer
+        # (--scheduler) the learning rate changes every 3 steps: a restored scheduler one step off shows in the weights
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.8)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class ManualModel(Model):
@@ -145,6 +151,7 @@ def main() -> None:
     p.add_argument("--kill-rank", type=int, default=0, help="the process of group 1 that --kill-at/--stop-at stop")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (running statistics: buffers)")
+    p.add_argument("--scheduler", action="store_true", help="a StepLR scheduler stepped every step (step_size 3)")
     p.add_argument("--sync-bn", action="store_true", help="Trainer(sync_batchnorm=True)")
     p.add_argument("--val", action="store_true", help="a validation loader, every 10 steps (val_loss, sync_dist)")
     p.add_argument("--no-seed", action="store_true", help="the mistake: no seed every group knows")
@@ -164,7 +171,7 @@ def main() -> None:
         time.sleep(args.restart_delay)  # a slow restart: the others may finish the run meanwhile
     if not args.no_seed:
         L.seed_everything(7, verbose=False)
-    model = ManualModel(args.dropout) if args.manual else Model(args.dropout, args.batchnorm, args.invariant)
+    model = ManualModel(args.dropout) if args.manual else Model(args.dropout, args.batchnorm, args.invariant, args.scheduler)
     if args.control:
         group, life, rank = int(os.environ.get("LOCAL_RANK", "0")), 0, 0
         strategy: object = ls.SyncDDPStrategy(world_size_invariant=args.invariant)

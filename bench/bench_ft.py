@@ -2,10 +2,13 @@
 
     python bench/bench_ft.py                      # --rounds 3 --steps 200 --width 128 (a tiny step)
     python bench/bench_ft.py --width 1024          # a step of ~20 ms on 2 cores: the fixed cost amortised
+    python bench/bench_ft.py --width 1024 --depth 6 --bucket-cap-mb 4   # 6 gradient buckets: comm overlaps backward
     python bench/bench_ft.py --replicas 3          # 3 replica groups vs 3 ddp_sync ranks (issue 43's comparison)
     python bench/bench_ft.py --recovery            # 3 groups, group 1 SIGKILLed: the survivors' stall, the return
 
-The same MLP (32 -> width -> width -> 1, batch 64 a rank, a BatchNorm layer, one ``self.log`` a step, SGD)
+The same MLP (32 -> width, ``--depth`` width -> width layers (1), -> 1; batch 64 a rank, a BatchNorm layer, one
+``self.log`` a step, SGD; DDP's ``bucket_cap_mb`` from ``--bucket-cap-mb``, 25 by default: one bucket at the default
+width)
 trained for ``--steps`` steps two ways, alternated ABBA after a dropped warm-up run of each, every run a fresh set of processes:
 
 * ``ddp_sync``: Lightning's launcher, ``--replicas`` N CPU ranks (``devices=N``; N = 2 by default);
@@ -46,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1, replicas: int = 2) -> None:
+def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1, replicas: int = 2, depth: int = 1,
+           bucket_cap_mb: float = 25.0) -> None:
     """One fit (a rank of ``ddp_sync``, or a replica group of ``ddp_sync_ft``); rank 0 / group 0 writes ``out``
     (``kill_at`` >= 0: every group appends a line a step to ``out``.group<g>, and group 1 dies in that step;
     ``replicas``: the ``ddp_sync`` ranks, and the replica groups the data set is sized for)."""
@@ -66,8 +70,9 @@ def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1, repl
     class MLP(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(nn.Linear(32, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, width),
-                                     nn.ReLU(), nn.Linear(width, 1))
+            hidden = [layer for _ in range(depth) for layer in (nn.Linear(width, width), nn.ReLU())]
+            self.net = nn.Sequential(nn.Linear(32, width), nn.BatchNorm1d(width), nn.ReLU(), *hidden,
+                                     nn.Linear(width, 1))
             self._t = 0.0
 
         def on_train_batch_start(self, batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -103,7 +108,7 @@ def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1, repl
     x = torch.randn(64 * replicas * steps, 32, generator=g)
     data = TensorDataset(x, x[:, 0] + 0.1 * torch.randn(len(x), generator=g))
     if mode == "ft":
-        strategy: object = ls.FaultTolerantDDPStrategy()
+        strategy: object = ls.FaultTolerantDDPStrategy(bucket_cap_mb=bucket_cap_mb)
         devices = 1
         for name in inner:  # timed on this instance: what the step boundary and the quorum take a step
             method = getattr(strategy, name)
@@ -117,7 +122,7 @@ def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1, repl
 
             setattr(strategy, name, timed)
     else:
-        strategy, devices = ls.SyncDDPStrategy(), replicas
+        strategy, devices = ls.SyncDDPStrategy(bucket_cap_mb=bucket_cap_mb), replicas
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(MLP(), DataLoader(data, batch_size=64, shuffle=True))
@@ -127,9 +132,11 @@ def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1, repl
         out.write_text(json.dumps(result))
 
 
-def run_once(mode: str, steps: int, out: Path, width: int, replicas: int) -> dict[str, float]:
+def run_once(mode: str, steps: int, out: Path, width: int, replicas: int, depth: int,
+             bucket_cap_mb: float) -> dict[str, float]:
     me = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--steps", str(steps), "--out", str(out),
-          "--width", str(width), "--replicas", str(replicas)]
+          "--width", str(width), "--replicas", str(replicas), "--depth", str(depth), "--bucket-cap-mb",
+          str(bucket_cap_mb)]
     cmd = me if mode == "ddp" else [sys.executable, "-m", "lightning_sync.ft.launch", "--replicas", str(replicas),
                                     "--", *me]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -170,6 +177,9 @@ def main() -> None:
     p.add_argument("--worker", choices=("ddp", "ft"), default=None)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--width", type=int, default=128, help="the MLP's hidden width (the step's size)")
+    p.add_argument("--depth", type=int, default=1, help="the MLP's width x width layers (1)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="DDP's gradient bucket size on both sides (25, DDP's default)")
     p.add_argument("--replicas", type=int, default=2,
                    help="replica groups of ddp_sync_ft, and ranks of ddp_sync, compared (default 2; not --recovery, "
                    "which runs 3)")
@@ -181,7 +191,8 @@ def main() -> None:
     if args.replicas < 1:
         p.error(f"--replicas {args.replicas}: give 1 or more (the replica groups, and ddp_sync's ranks, compared)")
     if args.worker:
-        worker(args.worker, args.steps, args.out, args.width, args.kill_at, args.replicas)
+        worker(args.worker, args.steps, args.out, args.width, args.kill_at, args.replicas, args.depth,
+               args.bucket_cap_mb)
         return
     if args.recovery:
         steps = max(args.steps, 1500)  # the survivors still train when the restarted group is back
@@ -198,7 +209,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         order = ["ddp", "ft"] + [m for _ in range(args.rounds) for m in ("ddp", "ft", "ft", "ddp")]
         for i, mode in enumerate(order):
-            result = run_once(mode, args.steps, Path(tmp) / f"{i}.json", args.width, args.replicas)
+            result = run_once(mode, args.steps, Path(tmp) / f"{i}.json", args.width, args.replicas, args.depth,
+                              args.bucket_cap_mb)
             if i >= 2:  # the first run of each: warm-up (file caches, the lighthouse binary)
                 results[mode].append(result)
     ddp = statistics.median(r["step_ms"] for r in results["ddp"])
@@ -207,7 +219,8 @@ def main() -> None:
     quorum = statistics.median(r.get("start_quorum_ms", float("nan")) for r in results["ft"])
     n, cores = args.replicas, os.cpu_count() or 0
     print(f"bench_ft: {n} CPU processes on {cores} cores, {args.steps} steps of batch 64 a rank, MLP width "
-          f"{args.width}, {args.rounds} ABBA rounds (median loop iteration of each run, median over runs)")
+          f"{args.width}, depth {args.depth}, bucket_cap_mb {args.bucket_cap_mb:g}, {args.rounds} ABBA rounds "
+          "(median loop iteration of each run, median over runs)")
     print(f"  ddp_sync ({n} ranks)          {ddp:7.3f} ms a step   runs: "
           + " ".join(f"{r['step_ms']:.2f}" for r in results["ddp"]))
     print(f"  ddp_sync_ft ({n} groups of 1) {ft:7.3f} ms a step   runs: "

@@ -327,7 +327,9 @@ def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(t
     # not a resume on another world size: batch_idx restarted at 0 before), with a random stream of its own
     assert [(r["epoch"], r["batch_idx"]) for r in restarted] == [(r["epoch"], r["batch_idx"]) for r in survivor][10:]
     assert "dealt out again" not in proc.stderr
-    # the lost group's failed collective in one line (no traceback of torchft's frames), no flight-recorder warning
+    # the lost group's failed collective in one line (no traceback of torchft's frames), no flight-recorder warning:
+    # the survivor was in the gradient all-reduce across the groups (started in DDP's hook, not waited for there)
+    assert "ddp_sync_ft: an all-reduce across the replica groups failed (" in proc.stderr
     lines = proc.stderr.splitlines()
     assert not any("got exception waiting for work" in line and lines[i + 1:i + 2] == ["Traceback (most recent call "
                    "last):"] for i, line in enumerate(lines))

@@ -85,11 +85,55 @@ class ReplicaGroup:
 
 @dataclass
 class ReplicaContext:
-    """torchft's ``Manager`` of this process and what it needs kept alive (the group's store, on its rank 0)."""
+    """torchft's ``Manager`` of this process and what it needs kept alive (the group's store, on its rank 0), and
+    torchft's process group across the groups (``pg``, the one the manager reconfigures at each new quorum)."""
 
     group: ReplicaGroup
     manager: Any
     store: Any
+    pg: Any = None
+
+    def allreduce_mean(self, tensor: Any) -> Any:
+        """Start averaging ``tensor`` in place over the groups of the current quorum; return a future that completes
+        with ``tensor``, never with an error: a failure (a group lost in the middle, torchft's timeout) is reported
+        to the manager, so that the step is not committed (``should_commit``), and ``tensor`` then holds garbage
+        the step drops. What ``manager.allreduce(tensor)`` does (a group outside the quorum sends zeros; the sum is
+        divided by the quorum's size), without blocking the caller: DDP's backward goes on computing the next
+        gradient buckets while this one crosses the groups, as under ``ddp``. (torchft 0.2.0's own DDP hook waits
+        for each bucket, and the future its ``Manager.allreduce`` hands back ends the process when a group is lost
+        in the middle of it.)"""
+        import torch
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        manager = self.manager
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        if manager.errored() is not None or self.pg is None:  # (the step is lost already: nothing to send)
+            done.set_result(tensor)
+            return done
+        manager.wait_quorum()
+        participants = manager.num_participants()
+        if not manager.is_participating():
+            tensor.zero_()
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
+        try:
+            work = self.pg.allreduce([tensor], opts)
+        except Exception as err:  # noqa: BLE001 (a process group torchft has aborted: reported, the step lost)
+            _report_failed_allreduce(manager, err)
+            done.set_result(tensor)
+            return done
+
+        def averaged(fut: Any) -> Any:
+            try:
+                fut.value()
+            except Exception as err:  # noqa: BLE001 (reported: the step is not committed)
+                _report_failed_allreduce(manager, err)
+                return tensor
+            if participants > 1:
+                tensor.div_(participants)
+            return tensor
+
+        return work.get_future().then(averaged)
 
     def close(self) -> None:
         """Stop the manager's servers and threads (every process, at its end)."""
@@ -148,4 +192,16 @@ def replica_context(state_dict: Callable[[], dict[str, Any]], load_state_dict: C
                           quorum_timeout=quorum_timeout, connect_timeout=timeout, rank=rank, world_size=world_size,
                           store_addr=group.host, store_port=port, lighthouse_addr=group.lighthouse,
                           replica_id=f"replica_{group.group_id}", hostname=group.host, checkpoint_transport=transport)
-    return ReplicaContext(group=group, manager=manager, store=kept)
+    return ReplicaContext(group=group, manager=manager, store=kept, pg=pg)
+
+
+def _report_failed_allreduce(manager: Any, err: Exception) -> None:
+    """One line (torchft's own all-reduce logs a traceback), and the error to the manager: the step is not committed."""
+    import logging
+
+    if manager.errored() is None:
+        logging.getLogger(__name__).warning(
+            "ddp_sync_ft: an all-reduce across the replica groups failed (%s: %s); this step is not committed and "
+            "is run again with the groups still alive.", type(err).__name__, str(err).splitlines()[0][:300] if str(err)
+            else "")
+    manager.report_error(err)

@@ -9,8 +9,9 @@ every step who takes part:
   anything); a group recovering in it is sent the checkpoint this group would have written at the end of the
   previous step;
 - DDP's gradient buckets are averaged over the quorum through torchft's reconfigurable process group (a
-  DDP communication hook: the group's own all-reduce of the bucket, then torchft's across the groups, waited
-  for);
+  DDP communication hook: the group's own all-reduce of the bucket, then one across the groups on torchft's
+  process group, which DDP waits for at the end of the backward, as it waits for its own: the buckets cross
+  the groups while the backward goes on);
 - the optimizer steps only if torchft commits the step (``should_commit``); a step it does not commit (a
   group was lost in it) is run again on the same batch, with the same random numbers, by the groups of a new
   quorum;
@@ -688,19 +689,20 @@ def _refuse_accumulation(trainer: Any) -> None:
 
 def _replica_allreduce_hook(strategy: FaultTolerantDDPStrategy, bucket: Any) -> torch.futures.Future[torch.Tensor]:
     """DDP's gradient bucket averaged over the replica groups of this step's quorum: over the group's processes
-    first (DDP's own all-reduce, where the group has several), then across the groups (torchft's, between the
-    processes of one rank in every group), so each bucket ends as the mean over every live process.
+    first (DDP's own all-reduce, where the group has several), then across the groups (torchft's process group,
+    between the processes of one rank in every group), so each bucket ends as the mean over every live process.
 
-    torchft's own hook hands DDP torchft's future, which aborts the surviving process when a peer is lost in the
-    middle of the all-reduce (torchft 0.2.0); waiting here and handing DDP a completed future lets the failure
-    surface where it belongs, in ``should_commit``."""
+    The all-reduce across the groups is not waited for here: DDP goes on with the backward while the bucket
+    crosses the groups and waits for every bucket at the end of it, as under ``ddp``. A failure of it (a group
+    lost in the middle) completes the future all the same and surfaces where it belongs, in ``should_commit``
+    (``ReplicaContext.allreduce_mean``)."""
     buffer = bucket.buffer()
     if strategy.world_size > 1:
         group: Any = torch.distributed.group.WORLD  # (the group's processes: DDP's own process group)
         allreduce_hook(group, bucket).wait()  # (their mean, in place: DDP's default hook)
-    strategy.manager.allreduce(buffer).wait()
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(buffer)
+    ctx = strategy._ctx
+    assert ctx is not None
+    future: torch.futures.Future[torch.Tensor] = ctx.allreduce_mean(buffer)
     return future
 
 

@@ -272,8 +272,9 @@ def test_two_replica_groups_train_what_two_ddp_ranks_train(tmp_path: Path) -> No
     dropout stream; the gradients are averaged over the quorum, and BatchNorm's running statistics are taken from
     the quorum's first group where DDP takes rank 0's (before a training forward, and before the first validation
     forward after training): every group's whole state is that ddp_sync rank's, bit for bit, and so are its
-    training epoch means (validation's within 1e-6: see _same_means)."""
-    args = ["--steps", "24", "--batchnorm", "--val"]
+    training epoch means (validation's within 1e-6: see _same_means). The gradients cross the groups in 4 buckets,
+    each all-reduce started in DDP's hook and waited for by DDP at the end of the backward."""
+    args = ["--steps", "24", "--batchnorm", "--val", "--bucket-cap-mb", "0.0002"]  # (4 buckets in flight at once)
     proc = _ft_run(tmp_path / "ft", ["--replicas", "2"], args, script=FIT)
     assert proc.returncode == 0, proc.stderr[-6000:]
     first, second = torch.load(tmp_path / "ft" / "group0.pt"), torch.load(tmp_path / "ft" / "group1.pt")
@@ -293,14 +294,14 @@ def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(t
     """--min-replicas 2, group 1 SIGKILLed in the middle of step 11: the survivor's step that the kill interrupted
     is run again once the restarted group is back; the restarted group's fit (no ckpt_path) is restored from the
     survivor's checkpoint at the end of step 10, sent by torchft (weights, optimizer, a StepLR scheduler stepped
-    every step, loops, data position): the
+    every step, loops, data position; the gradients in 4 buckets, in flight at once when the kill breaks them): the
     run ends, across an epoch boundary, with the weights of the 2-rank ddp_sync run without a fault, bit for bit
     (no dropout: the lost group's random stream died with it). The survivor's step that was run again puts back
     what its first attempt changed outside the optimizer: BatchNorm's running statistics are updated once and its
     logged epoch mean counts the step once (both were counted twice before)."""
     proc = _ft_run(tmp_path / "ft", ["--replicas", "2", "--min-replicas", "2"],
-                   ["--steps", "40", "--kill-at", "10", "--dropout", "0", "--batchnorm", "--val", "--scheduler"],
-                   script=FIT, timeout=240)
+                   ["--steps", "40", "--kill-at", "10", "--dropout", "0", "--batchnorm", "--val", "--scheduler",
+                    "--bucket-cap-mb", "0.0002"], script=FIT, timeout=240)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "replica group 1 ended (killed by SIGKILL); restarting it (restart 1 of 3)" in proc.stderr
     assert "ddp_sync_ft: replica group 1 (life 1) recovers from a live group at step 10 (global step 10)" in proc.stderr
@@ -309,7 +310,8 @@ def test_a_group_killed_mid_run_recovers_from_the_live_one_and_nothing_is_lost(t
     assert (first["life"], second["life"], first["global_step"], second["global_step"]) == (0, 1, 40, 40)
     assert torch.equal(first["weights"], second["weights"])
     assert torch.equal(first["weights"], _control(tmp_path / "control", "--steps", "40", "--dropout", "0",
-                                                  "--batchnorm", "--val", "--scheduler"))
+                                                  "--batchnorm", "--val", "--scheduler", "--bucket-cap-mb",
+                                                  "0.0002"))
     for group in (0, 1):
         _same_state(tmp_path / "ft", tmp_path / "control", group)  # running statistics included
     _same_means(_epoch_means(tmp_path / "ft", 0), _epoch_means(tmp_path / "control", 0))  # the redone epoch too

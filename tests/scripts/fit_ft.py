@@ -1,7 +1,7 @@
 """A Lightning fit under ``strategy="ddp_sync_ft"`` (a process per replica group, or P under
 ``lsync-ft-run --nproc-per-replica P``: ``devices=P``), for tests/test_ft.py.
 
-Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--samples 640] [--kill-at S [S2 ...]] [--stop-at S] [--ft-timeout SEC] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--timer] [--batchnorm] [--scheduler] [--val] [--manual]
+Under lsync-ft-run: python tests/scripts/fit_ft.py --out DIR [--steps 40] [--samples 640] [--kill-at S [S2 ...]] [--stop-at S] [--ft-timeout SEC] [--alone-sleep 0.3] [--dropout P] [--no-seed] [--invariant] [--early-stop] [--timer] [--batchnorm] [--scheduler] [--bucket-cap-mb MB] [--val] [--manual]
 Without it (the control): python tests/scripts/fit_ft.py --out DIR --control [--control-devices N] (Lightning's
 2-rank (N-rank) ddp_sync run of the same model, seed and data; each rank takes the shard a replica group's
 process takes: rank g * P + r that of group g's process r).
@@ -152,6 +152,8 @@ def main() -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (running statistics: buffers)")
     p.add_argument("--scheduler", action="store_true", help="a StepLR scheduler stepped every step (step_size 3)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="DDP's bucket_cap_mb (0.0002: this model's gradients in 4 buckets, in flight at once)")
     p.add_argument("--sync-bn", action="store_true", help="Trainer(sync_batchnorm=True)")
     p.add_argument("--val", action="store_true", help="a validation loader, every 10 steps (val_loss, sync_dist)")
     p.add_argument("--no-seed", action="store_true", help="the mistake: no seed every group knows")
@@ -174,12 +176,12 @@ def main() -> None:
     model = ManualModel(args.dropout) if args.manual else Model(args.dropout, args.batchnorm, args.invariant, args.scheduler)
     if args.control:
         group, life, rank = int(os.environ.get("LOCAL_RANK", "0")), 0, 0
-        strategy: object = ls.SyncDDPStrategy(world_size_invariant=args.invariant)
+        strategy: object = ls.SyncDDPStrategy(world_size_invariant=args.invariant, bucket_cap_mb=args.bucket_cap_mb)
         devices = 1 if args.invariant else args.control_devices
     else:
         group, life = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["LSYNC_FT_RESTART"])
         strategy = ls.FaultTolerantDDPStrategy(world_size_invariant=args.invariant, timeout=args.ft_timeout,
-                                               quorum_timeout=args.quorum_timeout)
+                                               quorum_timeout=args.quorum_timeout, bucket_cap_mb=args.bucket_cap_mb)
         devices, rank = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))  # torchrun's
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=args.steps, logger=False,
                         sync_batchnorm=args.sync_bn, accumulate_grad_batches=args.accumulate,

@@ -14,6 +14,7 @@ Environment each group gets from ``lsync-ft-run``: ``REPLICA_GROUP_ID``, ``NUM_R
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -22,6 +23,8 @@ from datetime import timedelta
 from typing import Any
 
 __all__ = ["ReplicaContext", "ReplicaGroup", "replica_context", "report_fatal", "require_torchft", "run_finished"]
+
+log = logging.getLogger(__name__)
 
 ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, ENV_RESTART, ENV_HOST, ENV_MIN = (
     "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE", "LSYNC_FT_RESTART", "LSYNC_FT_HOST",
@@ -91,7 +94,7 @@ class ReplicaContext:
     group: ReplicaGroup
     manager: Any
     store: Any
-    pg: Any = None
+    pg: Any
 
     def allreduce_mean(self, tensor: Any) -> Any:
         """Start averaging ``tensor`` in place over the groups of the current quorum; return a future that completes
@@ -106,34 +109,31 @@ class ReplicaContext:
         from torch.distributed import AllreduceOptions, ReduceOp
 
         manager = self.manager
-        done: torch.futures.Future[Any] = torch.futures.Future()
-        if manager.errored() is not None or self.pg is None:  # (the step is lost already: nothing to send)
-            done.set_result(tensor)
-            return done
-        manager.wait_quorum()
-        participants = manager.num_participants()
-        if not manager.is_participating():
-            tensor.zero_()
-        opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
-        try:
-            work = self.pg.allreduce([tensor], opts)
-        except Exception as err:  # noqa: BLE001 (a process group torchft has aborted: reported, the step lost)
-            _report_failed_allreduce(manager, err)
-            done.set_result(tensor)
-            return done
+        if manager.errored() is None:  # (otherwise the step is lost already: nothing to send)
+            manager.wait_quorum()
+            participants = manager.num_participants()
+            if not manager.is_participating():
+                tensor.zero_()
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
 
-        def averaged(fut: Any) -> Any:
-            try:
-                fut.value()
-            except Exception as err:  # noqa: BLE001 (reported: the step is not committed)
-                _report_failed_allreduce(manager, err)
+            def averaged(fut: Any) -> Any:
+                try:
+                    fut.value()
+                except Exception as err:  # noqa: BLE001 (reported: the step is not committed)
+                    _report_failed_allreduce(manager, err)
+                    return tensor
+                if participants > 1:
+                    tensor.div_(participants)
                 return tensor
-            if participants > 1:
-                tensor.div_(participants)
-            return tensor
 
-        return work.get_future().then(averaged)
+            try:
+                return self.pg.allreduce([tensor], opts).get_future().then(averaged)
+            except Exception as err:  # noqa: BLE001 (a process group torchft has aborted: reported, the step lost)
+                _report_failed_allreduce(manager, err)
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        done.set_result(tensor)
+        return done
 
     def close(self) -> None:
         """Stop the manager's servers and threads (every process, at its end)."""
@@ -197,11 +197,8 @@ def replica_context(state_dict: Callable[[], dict[str, Any]], load_state_dict: C
 
 def _report_failed_allreduce(manager: Any, err: Exception) -> None:
     """One line (torchft's own all-reduce logs a traceback), and the error to the manager: the step is not committed."""
-    import logging
-
     if manager.errored() is None:
-        logging.getLogger(__name__).warning(
-            "ddp_sync_ft: an all-reduce across the replica groups failed (%s: %s); this step is not committed and "
-            "is run again with the groups still alive.", type(err).__name__, str(err).splitlines()[0][:300] if str(err)
-            else "")
+        first_line = next(iter(str(err).splitlines()), "")[:300]
+        log.warning("ddp_sync_ft: an all-reduce across the replica groups failed (%s: %s); this step is not committed "
+                    "and is run again with the groups still alive.", type(err).__name__, first_line)
     manager.report_error(err)

@@ -173,7 +173,8 @@ def main() -> None:
         time.sleep(args.restart_delay)  # a slow restart: the others may finish the run meanwhile
     if not args.no_seed:
         L.seed_everything(7, verbose=False)
-    model = ManualModel(args.dropout) if args.manual else Model(args.dropout, args.batchnorm, args.invariant, args.scheduler)
+    model = (ManualModel(args.dropout) if args.manual
+             else Model(args.dropout, args.batchnorm, args.invariant, args.scheduler))
     if args.control:
         group, life, rank = int(os.environ.get("LOCAL_RANK", "0")), 0, 0
         strategy: object = ls.SyncDDPStrategy(world_size_invariant=args.invariant, bucket_cap_mb=args.bucket_cap_mb)

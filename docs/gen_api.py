@@ -63,9 +63,15 @@ def _doc(obj: Any) -> str:
 
 
 def _members(cls: type) -> list[tuple[str, Any]]:
-    """Public methods and properties defined by ``cls`` itself that carry their own docstring."""
+    """Public methods and properties defined by ``cls`` itself, or by a private base of this package it is built
+    from (``_FaultTolerance``), that carry their own docstring."""
     found = []
-    for name, member in vars(cls).items():
+    own = [base for base in reversed(cls.__mro__[1:]) if base.__name__.startswith("_")
+           and base.__module__.startswith("lightning_sync")]
+    members: dict[str, Any] = {}
+    for source in (*own, cls):
+        members.update(vars(source))
+    for name, member in members.items():
         if name.startswith("_"):
             continue
         target = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member

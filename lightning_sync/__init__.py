@@ -1,7 +1,8 @@
 """lightning_sync: explicit, checked data synchronisation for PyTorch Lightning DDP.
 
 ``import lightning_sync`` registers the strategy names ``"ddp_sync"``, ``"ddp_sync_spawn"``, ``"model_parallel_sync"``,
-``"ddp_sync_notebook"`` (Jupyter) and ``"ddp_sync_ft"`` (replica groups on torchft: ``lightning_sync.ft``). ``lightning_sync.pl`` is the same API for the ``pytorch_lightning``
+``"ddp_sync_notebook"`` (Jupyter), ``"ddp_sync_ft"`` and ``"model_parallel_sync_ft"`` (replica groups on torchft:
+``lightning_sync.ft``). ``lightning_sync.pl`` is the same API for the ``pytorch_lightning``
 package (its classes subclass ``pytorch_lightning``'s; ``lightning_sync._namespace`` builds it from
 these files); ``import lightning_sync`` registers the names in ``pytorch_lightning``'s registry too (before
 or after ``pytorch_lightning`` is imported), and the first ``pytorch_lightning.Trainer`` that asks for one
@@ -32,7 +33,8 @@ from lightning_sync.guard.core import CollectiveGuard
 from lightning_sync.seeding import SeedLineage, derive_seed
 from lightning_sync.model_parallel import SyncModelParallelStrategy, register as _register_model_parallel
 from lightning_sync.strategy import SyncDDPStrategy, register as _register
-from lightning_sync.ft.strategy import FaultTolerantDDPStrategy, register as _register_ft
+from lightning_sync.ft.strategy import (FaultTolerantDDPStrategy, FaultTolerantModelParallelStrategy,
+                                        register as _register_ft)
 
 _register(_strategy_registry)
 _register_model_parallel(_strategy_registry)
@@ -48,6 +50,7 @@ __all__ = [
     "CollectiveGuard",
     "CollectiveMismatchError",
     "FaultTolerantDDPStrategy",
+    "FaultTolerantModelParallelStrategy",
     "LightningSyncError",
     "ParameterConsistencyCheck",
     "ParameterDivergenceError",

@@ -176,6 +176,8 @@ _PL_NAMES: tuple[tuple[str, str, dict[str, object], str], ...] = (
      "ModelParallelStrategy (FSDP2) with lightning_sync's parts"),
     ("ddp_sync_ft", "FaultTolerantDDPStrategy", {"start_method": "popen"},
      "ddp_sync in each replica group, torchft across groups (lsync-ft-run)"),
+    ("model_parallel_sync_ft", "FaultTolerantModelParallelStrategy", {},
+     "model_parallel_sync (FSDP2) in each replica group, torchft across groups (lsync-ft-run)"),
 )
 
 

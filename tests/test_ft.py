@@ -550,6 +550,53 @@ def test_a_process_killed_in_a_group_of_two_ends_its_group_and_the_restarted_gro
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_fsdp2_groups_of_two_processes_train_what_four_ddp_ranks_train(tmp_path: Path) -> None:
+    """model_parallel_sync_ft (--fsdp): FSDP2 inside each group of 2 processes (process r holds shard r of every
+    layer), no fault. The gradient shards averaged in the group (FSDP2's reduce-scatter) then across the groups
+    (process r with process r, in 4 buckets) are the 4-rank ddp_sync run's mean: every process's full weights end
+    within float rounding of that run's (the same data shard and dropout stream as rank g * 2 + r)."""
+    args = ["--steps", "24"]
+    proc = _ft_run(tmp_path / "ft", ["--replicas", "2", "--nproc-per-replica", "2"],
+                   [*args, "--fsdp", "--bucket-cap-mb", "0.0002"], script=FIT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    _control(tmp_path / "control", *args, "--control-devices", "4")
+    for mine, rank in _PROCESSES.items():
+        ours, theirs = torch.load(tmp_path / "ft" / f"{mine}.pt"), torch.load(tmp_path / "control" / f"{rank}.pt")
+        assert ours["state"].keys() == theirs["state"].keys()
+        expected = theirs["weights"].double()
+        assert torch.allclose(ours["weights"].double(), expected, rtol=0, atol=1e-5 * expected.abs().max().item()), mine
+        assert ours["report"]["committed"] == 24 and ours["report"]["participants"] == 2
+        assert ours["report"]["missing_shards"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_fsdp2_a_process_killed_in_a_group_heals_shard_by_shard_and_trains_the_one_process_model(
+        tmp_path: Path) -> None:
+    """model_parallel_sync_ft, 2 groups of 2 FSDP2 processes, world_size_invariant=True, a step-wise LR scheduler:
+    process 1 of group 1 SIGKILLed in step 11. Its group is restarted, and each of its processes is sent the live
+    group's process of its own rank's shards (weights and momentum, no full tensor gathered, no file) at the end
+    of step 10; every process of both groups ends within float rounding of ONE process training with batch 32."""
+    args = ["--steps", "40", "--invariant", "--scheduler"]
+    proc = _ft_run(tmp_path / "ft", ["--replicas", "2", "--min-replicas", "2", "--nproc-per-replica", "2"],
+                   [*args, "--fsdp", "--kill-at", "10", "--kill-rank", "1", "--bucket-cap-mb", "0.0002"],
+                   script=FIT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "replica group 1 ended (exit code 1: its rank 1 was killed by SIGKILL first); restarting it" in proc.stderr
+    assert "ddp_sync_ft: replica group 1 (life 1) recovers from a live group at step 10" in proc.stderr
+    assert proc.stderr.count("replica group 0: step 10 not committed") == 1
+    ends = {name: torch.load(tmp_path / "ft" / f"{name}.pt") for name in _PROCESSES}
+    assert {name: end["life"] for name, end in ends.items()} == {"group0": 0, "group0r1": 0, "group1": 1,
+                                                                 "group1r1": 1}
+    assert all(end["report"]["healed"] == 1 for name, end in ends.items() if name.startswith("group1"))
+    assert all(torch.equal(end["weights"], ends["group0"]["weights"]) for end in ends.values())
+    assert not list((tmp_path / "ft").rglob("*.ckpt")) and not list(Path.cwd().glob("lightning_logs/**/*.ckpt"))
+    one_process = _control(tmp_path / "control", *args)
+    assert torch.allclose(ends["group0"]["weights"], one_process, rtol=0, atol=1e-5 * one_process.abs().max().item())
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fewer_groups_left_than_min_replicas_end_the_run_at_once(tmp_path: Path) -> None:
     """--min-replicas 2, --max-restarts 0: group 1 dies for good, so no step can commit again; the run ends then
@@ -727,6 +774,7 @@ def test_manual_optimisation_is_refused_before_any_step_and_the_group_is_not_res
 
 def test_ddp_sync_ft_outside_a_replica_group_and_bad_arguments_say_how_to_fix_them(monkeypatch) -> None:
     import lightning_sync as ls
+    from lightning.pytorch.strategies import StrategyRegistry
 
     for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
         monkeypatch.delenv(name, raising=False)
@@ -743,6 +791,15 @@ def test_ddp_sync_ft_outside_a_replica_group_and_bad_arguments_say_how_to_fix_th
         ls.FaultTolerantDDPStrategy(resume="auto")
     strategy = ls.FaultTolerantDDPStrategy()
     assert strategy.min_replicas == 1 and strategy.seed_stream_rank == 0
+    with pytest.raises(ValueError, match=r"FaultTolerantModelParallelStrategy\(tensor_parallel_size=2\): tensor "
+                                         "parallelism inside a replica group is not supported yet"):
+        ls.FaultTolerantModelParallelStrategy(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"FaultTolerantModelParallelStrategy\(bucket_cap_mb=0\): more than 0"):
+        ls.FaultTolerantModelParallelStrategy(bucket_cap_mb=0)
+    with pytest.raises(ValueError, match=r"FaultTolerantModelParallelStrategy\(min_replicas=0\)"):
+        ls.FaultTolerantModelParallelStrategy(min_replicas=0)
+    sharded = StrategyRegistry.get("model_parallel_sync_ft")
+    assert isinstance(sharded, ls.FaultTolerantModelParallelStrategy) and sharded.bucket_cap_mb == 25.0
 
 
 def test_without_torchft_the_error_names_the_extra_to_install(monkeypatch) -> None:

@@ -1,4 +1,7 @@
-"""``FaultTolerantDDPStrategy`` (``"ddp_sync_ft"``): ``ddp_sync`` in each replica group, torchft across them.
+"""``FaultTolerantDDPStrategy`` (``"ddp_sync_ft"``): ``ddp_sync`` in each replica group, torchft across them;
+``FaultTolerantModelParallelStrategy`` (``"model_parallel_sync_ft"``): the same with FSDP2 inside each group (process
+``r`` of every group holds shard ``r``; its gradient shards are averaged across the groups after the backward, and it
+is sent process ``r``'s shards when its group recovers). Both are ``_FaultTolerance`` over a group's strategy.
 
 Each replica group is an ordinary Lightning run started by ``lsync-ft-run``: one process (``devices=1``), or
 ``P`` processes under ``torchrun`` (``--nproc-per-replica P``, ``devices=P``: DDP inside the group). Across the
@@ -29,13 +32,15 @@ logged ``ft/participants`` and ``ft/missing_shards``, a line at the end of ``fit
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import lightning.pytorch as pl
 import torch
@@ -57,10 +62,16 @@ from lightning_sync.parts.checkpoint import CheckpointStatePart
 from lightning_sync.parts.invariant import WorldSizeInvariantPart
 from lightning_sync.parts.uneven import UnevenBatchPart
 from lightning_sync.seeding import CHECKPOINT_KEY, _collect_rng_state, _restore_rng_state
+from lightning_sync.model_parallel import SyncModelParallelStrategy
 from lightning_sync.step_state import BufferSnapshot, LoggedSnapshot
 from lightning_sync.strategy import SyncDDPStrategy
 
-__all__ = ["FaultTolerantDDPStrategy", "FT_PEER"]
+__all__ = ["FaultTolerantDDPStrategy", "FaultTolerantModelParallelStrategy", "FT_PEER"]
+
+if TYPE_CHECKING:  # (checked as a strategy of a replica group; combined with one at run time)
+    _Base = SyncDDPStrategy
+else:
+    _Base = object
 
 log = logging.getLogger(__name__)
 
@@ -80,55 +91,31 @@ class _LivePeerCheckpoint(str):
         return self.outcome != "none"
 
 
-class FaultTolerantDDPStrategy(SyncDDPStrategy):
-    """``SyncDDPStrategy`` in each replica group, and torchft across the groups: a lost group stops nothing
-    (the others go on at the next step) and a restarted one resumes from a live group. Run under
-    ``lsync-ft-run --replicas R -- python train.py`` with ``Trainer(strategy="ddp_sync_ft", devices=1)``, or with
-    ``P`` processes a group, ``lsync-ft-run --replicas R --nproc-per-replica P -- python train.py`` with
-    ``devices=P``.
-
-    Accepts every :class:`~lightning_sync.SyncDDPStrategy` argument (a ``seed`` every group knows is required:
-    pass ``seed=`` or call ``seed_everything``), plus:
-
-    Args:
-        min_replicas: the fewest groups a step may commit with (default: ``lsync-ft-run --min-replicas``, 1: one
-            survivor trains on; the number of groups: every step waits for a lost group's replacement). A step
-            with groups missing skips their data shards (counted), except with ``world_size_invariant=True``,
-            where the live groups split the whole global batch among them: nothing is skipped.
-        timeout: seconds torchft waits for an all-reduce, a commit or a recovery (default 30).
-        quorum_timeout: seconds a step boundary waits for a quorum (default 120).
-        max_step_retries: how many times in a row a step that is not committed is run again before the run
-            stops with an error (default 10).
-    """
-
-    strategy_name = "ddp_sync_ft"
+class _FaultTolerance(_Base):
+    """torchft across the replica groups, over a lightning_sync strategy in each group (the parts common to
+    ``FaultTolerantDDPStrategy`` and ``FaultTolerantModelParallelStrategy``): the quorum of each step, the commit,
+    a step run again, recovery from a live group, the counts."""
 
     def __init__(self, *args: Any, min_replicas: int | None = None, timeout: float = 30.0,
                  quorum_timeout: float = 120.0, max_step_retries: int = 10, **kwargs: Any) -> None:
         require_torchft()
         if min_replicas is not None and min_replicas < 1:
-            raise ValueError(f"FaultTolerantDDPStrategy(min_replicas={min_replicas}): at least 1.")
+            raise ValueError(f"{type(self).__name__}(min_replicas={min_replicas}): at least 1.")
         if max_step_retries < 0:
-            raise ValueError(f"FaultTolerantDDPStrategy(max_step_retries={max_step_retries}): 0 or more.")
+            raise ValueError(f"{type(self).__name__}(max_step_retries={max_step_retries}): 0 or more.")
         self.replica_group = ReplicaGroup.from_env()
         self.min_replicas = min_replicas if min_replicas is not None else self.replica_group.min_replicas
         self.ft_timeout = timedelta(seconds=timeout)
         self.quorum_timeout = timedelta(seconds=quorum_timeout)
         self.max_step_retries = max_step_retries
-        if kwargs.get("static_graph") or kwargs.get("find_unused_parameters") is False:
-            raise ValueError(
-                "FaultTolerantDDPStrategy: DDP must keep its first gradient bucket layout (a recovering group's "
-                "buckets are summed element by element with the others'), which it does only with "
-                "find_unused_parameters=True and static_graph=False (torchft's DDP does the same): drop those "
-                "arguments.")
-        kwargs["find_unused_parameters"] = True
         if kwargs.get("resume") is not None:
             raise ValueError(
-                f"FaultTolerantDDPStrategy(resume={kwargs['resume']!r}): a group's fit recovers from a live replica "
+                f"{type(self).__name__}(resume={kwargs['resume']!r}): a group's fit recovers from a live replica "
                 "group; resuming from checkpoint files is not combined with it yet. Pass ckpt_path= to fit (the "
                 "same checkpoint in every group) to start a whole run again from a file.")
         super().__init__(*args, **kwargs)
         self._init_parts([*self.parts[:-1], _FaultTolerancePart(self), self.parts[-1]])
+        self._sending = False  # building the state a recovering group is sent (torchft's quorum thread)
         self._ctx: ReplicaContext | None = None
         self._quorum_open = False
         self._restoring = False
@@ -164,14 +151,14 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
             kwargs["num_replicas"], kwargs["rank"] = self.data_world_size, self.seed_stream_rank
         return kwargs
 
-    def setup_distributed(self) -> None:
-        super().setup_distributed()
+    def _sync_setup_distributed(self, create: Any) -> None:
+        super()._sync_setup_distributed(create)  # (the process group of this replica group)
         lineage = self.seed_lineage
         if lineage is not None and lineage.origin == "entropy":
             _refuse(  # (a set-up error: every life of the group would draw its own seed again)
                 "ddp_sync_ft: every replica group must start from the same root seed (the groups split the training "
                 "data by it, and build the same model from it), but none was given, so each group drew its own. "
-                "Pass FaultTolerantDDPStrategy(seed=N) or call lightning.seed_everything(N) before building the "
+                f"Pass {type(self).__name__}(seed=N) or call lightning.seed_everything(N) before building the "
                 "model, with the same N in every group.")
         trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
         if self._ctx is None and trainer is not None and trainer.state.fn == "fit":
@@ -214,21 +201,6 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         if self._ctx is None:
             raise LightningSyncError("ddp_sync_ft: torchft's manager exists only while fit runs.")
         return self._ctx.manager
-
-    def configure_ddp(self) -> None:
-        super().configure_ddp()
-        if self._ctx is None or self.model is None:
-            return
-        model: Any = self.model  # DistributedDataParallel
-        try:
-            model.register_comm_hook(self, _replica_allreduce_hook)
-        except RuntimeError as err:
-            raise LightningSyncError(
-                f"ddp_sync_ft averages gradients across replica groups in DDP's communication hook, but the model "
-                f"has one already ({err}). Drop DDPStrategy(ddp_comm_hook=...) under ddp_sync_ft.") from err
-        # DDP's broadcast of rank 0's buffers before a training forward (BatchNorm's running statistics): across
-        # the groups, from the quorum's first one, at the same points (none where broadcast_buffers=False)
-        register_buffer_sync_hook(model, self, _replica_buffer_broadcast)
 
     # ------------------------------------------------------------------ quorum, commit, recovery
 
@@ -389,6 +361,8 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
             self._in_step = True  # (SyncBatchNorm exchanges across groups only inside it: _rows_across_groups)
             try:
                 result = closure()  # training_step + backward: the hook averages the gradients over the quorum
+                if result is not None:
+                    self._average_across_groups()
             finally:
                 self._in_step = False
             self._quorum_open = False
@@ -457,7 +431,11 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         assert trainer is not None
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             torch.cuda.synchronize()  # the optimizer step's kernels are done before torchft reads the weights
-        checkpoint: dict[str, Any] = _compat.dump_checkpoint(trainer)
+        self._sending = True
+        try:
+            checkpoint: dict[str, Any] = _compat.dump_checkpoint(trainer)
+        finally:
+            self._sending = False
         if self._boundary:  # weights and optimizer state are as they were at the boundary: no step since
             checkpoint.update(self._boundary)
         else:
@@ -482,9 +460,20 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                 f"ddp_sync_ft: replica group {self.replica_group.group_id} is {behind} steps from the live groups "
                 "(1 is all a running group can catch up from: a step the others committed without it); its loops "
                 "and data cannot follow. Restart the group (lsync-ft-run restarts it when it exits).")
+        self._load_weights_and_optimizers(checkpoint)
+
+    def _load_weights_and_optimizers(self, checkpoint: dict[str, Any]) -> None:
+        """A live group's weights and optimizer states, as ``_state_for_peer`` sent them, into this group's."""
+        module = self.lightning_module
+        assert module is not None
+        trainer = _compat.attached_trainer(module)
         module.load_state_dict(checkpoint["state_dict"])
         for optimizer, state in zip(trainer.optimizers if trainer is not None else (), checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
+
+    def _average_across_groups(self) -> None:
+        """The step's gradients averaged over the quorum's groups, after the closure (where the group's strategy
+        has not done it during the backward)."""
 
     def _join(self, peer: _LivePeerCheckpoint) -> None:
         """Before Lightning restores anything (``fit`` without ``ckpt_path``), join the first quorum: a group whose
@@ -558,7 +547,12 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
         trainer = _compat.attached_trainer(getattr(self, "lightning_module", None))
         if trainer is not None:  # the sender's ModelCheckpoint paths name its directory: this group's own instead
             own_checkpoint_paths(trainer, received)
+        self._restore_from_peer(received)
         return received
+
+    def _restore_from_peer(self, checkpoint: dict[str, Any]) -> None:
+        """What Lightning does not restore itself from a live group's checkpoint (``_read_checkpoint``): nothing
+        under DDP (it loads the weights and optimizer states as from a file)."""
 
     def teardown(self) -> None:
         ctx, self._ctx = self._ctx, None
@@ -583,11 +577,166 @@ class FaultTolerantDDPStrategy(SyncDDPStrategy):
                 ctx.close()
 
 
+class FaultTolerantDDPStrategy(_FaultTolerance, SyncDDPStrategy):
+    """``SyncDDPStrategy`` in each replica group, and torchft across the groups: a lost group stops nothing
+    (the others go on at the next step) and a restarted one resumes from a live group. Run under
+    ``lsync-ft-run --replicas R -- python train.py`` with ``Trainer(strategy="ddp_sync_ft", devices=1)``, or with
+    ``P`` processes a group, ``lsync-ft-run --replicas R --nproc-per-replica P -- python train.py`` with
+    ``devices=P``.
+
+    Accepts every :class:`~lightning_sync.SyncDDPStrategy` argument (a ``seed`` every group knows is required:
+    pass ``seed=`` or call ``seed_everything``), plus:
+
+    Args:
+        min_replicas: the fewest groups a step may commit with (default: ``lsync-ft-run --min-replicas``, 1: one
+            survivor trains on; the number of groups: every step waits for a lost group's replacement). A step
+            with groups missing skips their data shards (counted), except with ``world_size_invariant=True``,
+            where the live groups split the whole global batch among them: nothing is skipped.
+        timeout: seconds torchft waits for an all-reduce, a commit or a recovery (default 30).
+        quorum_timeout: seconds a step boundary waits for a quorum (default 120).
+        max_step_retries: how many times in a row a step that is not committed is run again before the run
+            stops with an error (default 10).
+    """
+
+    strategy_name = "ddp_sync_ft"
+
+    def __init__(self, *args: Any, min_replicas: int | None = None, timeout: float = 30.0,
+                 quorum_timeout: float = 120.0, max_step_retries: int = 10, **kwargs: Any) -> None:
+        if kwargs.get("static_graph") or kwargs.get("find_unused_parameters") is False:
+            raise ValueError(
+                "FaultTolerantDDPStrategy: DDP must keep its first gradient bucket layout (a recovering group's "
+                "buckets are summed element by element with the others'), which it does only with "
+                "find_unused_parameters=True and static_graph=False (torchft's DDP does the same): drop those "
+                "arguments.")
+        kwargs["find_unused_parameters"] = True
+        super().__init__(*args, min_replicas=min_replicas, timeout=timeout, quorum_timeout=quorum_timeout,
+                         max_step_retries=max_step_retries, **kwargs)
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        if self._ctx is None or self.model is None:
+            return
+        model: Any = self.model  # DistributedDataParallel
+        try:
+            model.register_comm_hook(self, _replica_allreduce_hook)
+        except RuntimeError as err:
+            raise LightningSyncError(
+                f"ddp_sync_ft averages gradients across replica groups in DDP's communication hook, but the model "
+                f"has one already ({err}). Drop DDPStrategy(ddp_comm_hook=...) under ddp_sync_ft.") from err
+        # DDP's broadcast of rank 0's buffers before a training forward (BatchNorm's running statistics): across
+        # the groups, from the quorum's first one, at the same points (none where broadcast_buffers=False)
+        register_buffer_sync_hook(model, self, _replica_buffer_broadcast)
+
+
+class FaultTolerantModelParallelStrategy(_FaultTolerance, SyncModelParallelStrategy):
+    """``SyncModelParallelStrategy`` (FSDP2: ``fully_shard`` in ``configure_model``) in each replica group, and
+    torchft across the groups, as :class:`FaultTolerantDDPStrategy` does it for DDP. Run under
+    ``lsync-ft-run --replicas R --nproc-per-replica P -- python train.py`` with
+    ``Trainer(strategy="model_parallel_sync_ft", devices=P)``.
+
+    Process ``r`` of every group holds shard ``r`` of the weights, the gradients and the optimizer state (the
+    groups have the same number of processes and shard alike). After the backward (FSDP2's reduce-scatter: the
+    mean over the group), each process averages its gradient shards with process ``r`` of the quorum's other
+    groups, over torchft's process group; a restarted group's process ``r`` is sent process ``r``'s shards of a
+    live group (nothing is gathered, no file is read).
+
+    Accepts every :class:`~lightning_sync.SyncModelParallelStrategy` argument (``tensor_parallel_size`` 1 only:
+    FSDP2 over the group's processes), and ``min_replicas``, ``timeout``, ``quorum_timeout`` and
+    ``max_step_retries`` as :class:`FaultTolerantDDPStrategy` documents them, plus:
+
+    Args:
+        bucket_cap_mb: the most megabytes of gradient shards a process sends across the groups in one all-reduce
+            (default 25, DDP's default bucket). Two buckets are in flight at most: the memory this costs is at
+            most twice that, whatever the model's size.
+    """
+
+    strategy_name = "model_parallel_sync_ft"
+
+    def __init__(self, data_parallel_size: Literal["auto"] | int = "auto",
+                 tensor_parallel_size: Literal["auto"] | int = "auto", *args: Any, min_replicas: int | None = None,
+                 timeout: float = 30.0, quorum_timeout: float = 120.0, max_step_retries: int = 10,
+                 bucket_cap_mb: float = 25.0, **kwargs: Any) -> None:
+        if tensor_parallel_size not in ("auto", 1):
+            raise ValueError(
+                f"FaultTolerantModelParallelStrategy(tensor_parallel_size={tensor_parallel_size!r}): tensor "
+                "parallelism inside a replica group is not supported yet (FSDP2 over the group's processes is): "
+                "leave it \"auto\" or 1.")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"FaultTolerantModelParallelStrategy(bucket_cap_mb={bucket_cap_mb}): more than 0.")
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        super().__init__(data_parallel_size, 1, *args, min_replicas=min_replicas, timeout=timeout,
+                         quorum_timeout=quorum_timeout, max_step_retries=max_step_retries, **kwargs)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._sending:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.model is not None  # this process's shards, whatever save_distributed_checkpoint says
+        state: dict[str, Any] = _local_shards(get_model_state_dict(self.model,
+                                                                   options=StateDictOptions(full_state_dict=False)))
+        return state
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self._sending:
+            return super().optimizer_state(optimizer)
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        assert self.model is not None
+        state = get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(full_state_dict=False))
+        shards: dict[str, Any] = _local_shards(state)
+        return shards
+
+    def _restore_from_peer(self, checkpoint: dict[str, Any]) -> None:
+        # (Lightning's ModelParallelStrategy loads the weights and optimizer states while it reads a checkpoint
+        # directory, and does nothing when it is handed the checkpoint's entries)
+        self._load_weights_and_optimizers(checkpoint)
+
+    def _load_weights_and_optimizers(self, checkpoint: dict[str, Any]) -> None:
+        """A live group's process ``r``'s shards (``_state_for_peer``) into this process's, shard for shard."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
+
+        module = self.lightning_module
+        assert module is not None and self.model is not None
+        trainer = _compat.attached_trainer(module)
+        options = StateDictOptions(full_state_dict=False, strict=module.strict_loading)
+        own = get_model_state_dict(self.model, options=options)
+        set_model_state_dict(self.model, {k: _as_shard_of(v, own.get(k)) for k, v in checkpoint["state_dict"].items()},
+                             options=options)
+        params = dict(self.model.named_parameters())
+        for optimizer, state in zip(trainer.optimizers if trainer is not None else (), checkpoint["optimizer_states"]):
+            shards = {"state": {name: {k: _as_shard_of(v, params.get(name)) for k, v in entries.items()}
+                                for name, entries in state["state"].items()},
+                      "param_groups": state["param_groups"]}
+            set_optimizer_state_dict(self.model, optimizer, shards, options=options)
+
+    def _average_across_groups(self) -> None:
+        """Each gradient shard of this process averaged with process ``r``'s of the quorum's other groups: flat
+        buckets of ``bucket_cap_mb`` (the parameters in order, every group alike), two in flight at most. A
+        parameter without a gradient here sends zeros, and takes the mean where another group's was not zero
+        (as DDP does with ``find_unused_parameters``)."""
+        ctx = self._ctx
+        assert ctx is not None and self.model is not None
+        cap = max(1, int(self.bucket_cap_mb * 2**20))
+        pending: collections.deque[tuple[list[_GradShard], torch.Tensor, Any]] = collections.deque()
+        for bucket in _gradient_buckets(self.model, cap):
+            flat = torch.cat([shard.flat() for shard in bucket])
+            pending.append((bucket, flat, ctx.allreduce_mean(flat)))
+            if len(pending) > 2:
+                _put_back(*pending.popleft())
+        while pending:
+            _put_back(*pending.popleft())
+
+
 class _FaultTolerancePart(Part):
     """The strategy's steps Lightning has no strategy hook for: the next quorum after a committed step, the
     counts logged, and a restarted group's ``fit`` pointed at a live group."""
 
-    def __init__(self, strategy: FaultTolerantDDPStrategy) -> None:
+    def __init__(self, strategy: _FaultTolerance) -> None:
         self._strategy = strategy
         self._exchange: Any = False  # the SyncBatchNorm exchange set before this fit set its own (False: none set)
 
@@ -638,11 +787,16 @@ class _FaultTolerancePart(Part):
             self._strategy._in_step_with_others = True
 
     def configure_launcher(self, strategy: Any) -> None:
+        if strategy.launcher is None and strategy.cluster_environment is not None:
+            # ModelParallelStrategy under torchrun has none: one that starts no process (DDP's there), where a
+            # restarted group's fit is pointed at a live group
+            _compat.set_launcher(strategy, _compat.SubprocessScriptLauncher(
+                strategy.cluster_environment, strategy.num_processes, strategy.num_nodes))
         if strategy.launcher is not None:
             _recover_from_peer(self._strategy)
 
 
-def _recover_from_peer(strategy: FaultTolerantDDPStrategy) -> None:
+def _recover_from_peer(strategy: _FaultTolerance) -> None:
     """``fit`` without ``ckpt_path`` takes the checkpoint of a live group ahead of this one, if any (``FT_PEER``)."""
     from lightning_sync.resume.auto import fill_fit_ckpt_path
 
@@ -654,7 +808,7 @@ def _recover_from_peer(strategy: FaultTolerantDDPStrategy) -> None:
 
 
 class _StepBoundary(pl.Callback):
-    def __init__(self, strategy: FaultTolerantDDPStrategy) -> None:
+    def __init__(self, strategy: _FaultTolerance) -> None:
         self._strategy = strategy
         self._logged: tuple[int, int] | None = None  # the counts last logged
 
@@ -716,7 +870,7 @@ class _OwnShare:
     dropout: DropoutStep | None
 
 
-def _from_first_group(strategy: FaultTolerantDDPStrategy, tensor: torch.Tensor) -> torch.Tensor | None:
+def _from_first_group(strategy: _FaultTolerance, tensor: torch.Tensor) -> torch.Tensor | None:
     """``tensor`` as the current quorum's first group holds it, on every group (a broadcast made of one torchft
     all-reduce: the first group sends its values, the others zeros, summed); ``None`` where the quorum failed
     meanwhile (the caller keeps its own value: the step is not committed, and the next quorum deals with it)."""
@@ -727,7 +881,7 @@ def _from_first_group(strategy: FaultTolerantDDPStrategy, tensor: torch.Tensor) 
     return None if manager.errored() is not None else tensor
 
 
-def _rows_across_groups(strategy: FaultTolerantDDPStrategy, rows: torch.Tensor) -> torch.Tensor:
+def _rows_across_groups(strategy: _FaultTolerance, rows: torch.Tensor) -> torch.Tensor:
     """A ``SyncBatchNorm`` exchange's rows (one per process of this group) and every other live group's, in the order
     of the quorum (participant ``p``'s rows at ``p``): one torchft all-reduce of a zero tensor each group writes its
     rows into (a sum with zeros: exact). Only inside a training step's forward and backward, which every group of
@@ -777,13 +931,112 @@ def _replica_buffer_broadcast(strategy: FaultTolerantDDPStrategy, buffers: dict[
         offset += v.numel()
 
 
+def _local_shards(tree: Any) -> Any:
+    """``tree`` (a state dict) with each DTensor replaced by this process's shard of it, a plain tensor: torchft's
+    transport sends a DTensor's device mesh with it, which the receiving process has its own of."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.to_local().detach()
+    if isinstance(tree, dict):
+        return {k: _local_shards(v) for k, v in tree.items()}
+    if type(tree) in (list, tuple):
+        return type(tree)(_local_shards(v) for v in tree)
+    return tree
+
+
+def _as_shard_of(value: Any, like: Any) -> Any:
+    """``value`` (a shard process ``r`` of a live group sent) laid out as ``like`` is (this process's DTensor of the
+    same name: a parameter, or its entry in the state dict), where ``like`` is one and its shard has ``value``'s
+    shape; otherwise ``value`` (a buffer, an optimizer's step count)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    local = like.to_local().detach()
+    if value.dim() == 0 or value.shape != local.shape:
+        return value
+    return DTensor.from_local(value.to(local.device), like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+@dataclass
+class _GradShard:
+    """A parameter's gradient shard on this process (``local``: ``None`` where it has no gradient in this step)."""
+
+    param: Any
+    local: torch.Tensor | None
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def flat(self) -> torch.Tensor:
+        if self.local is None:
+            return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        return self.local.reshape(-1)
+
+
+def _gradient_buckets(model: torch.nn.Module, cap: int) -> Iterator[list[_GradShard]]:
+    """The trainable parameters' gradient shards in order, in buckets of at most ``cap`` bytes (one dtype and
+    device a bucket; a larger shard alone)."""
+    from torch.distributed.tensor import DTensor
+
+    bucket: list[_GradShard] = []
+    size, key = 0, None
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            mine: torch.Tensor = p.to_local() if isinstance(p, DTensor) else p
+            grad = p.grad
+            local: torch.Tensor | None = grad.to_local() if isinstance(grad, DTensor) else grad
+            shard = _GradShard(p, local, mine.shape, mine.dtype, mine.device)
+            nbytes = shard.numel * mine.element_size()
+            if bucket and ((mine.dtype, mine.device) != key or size + nbytes > cap):
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(shard)
+            size, key = size + nbytes, (mine.dtype, mine.device)
+    if bucket:
+        yield bucket
+
+
+def _put_back(bucket: list[_GradShard], flat: torch.Tensor, averaged: Any) -> None:
+    """A bucket's mean over the groups (``averaged``: ``ReplicaContext.allreduce_mean``'s future) into the
+    gradients it was made of."""
+    from torch.distributed.tensor import DTensor
+
+    averaged.wait()
+    offset = 0
+    with torch.no_grad():
+        for shard in bucket:
+            mean = flat[offset:offset + shard.numel].view(shard.shape)
+            offset += shard.numel
+            if shard.local is not None:
+                shard.local.copy_(mean)
+            elif bool(mean.any()):  # (a parameter unused here, used by another group: rare)
+                p = shard.param
+                shard.param.grad = (DTensor.from_local(mean.clone(), p.device_mesh, p.placements, run_check=False,
+                                                       shape=p.shape, stride=p.stride())
+                                    if isinstance(p, DTensor) else mean.clone())
+
+
 # DDP compares the hook's annotations with the objects themselves (this module's are strings)
 _replica_allreduce_hook.__annotations__.update(bucket=getattr(torch.distributed, "GradBucket"),
                                                **{"return": torch.futures.Future[torch.Tensor]})
 
 
 def register(strategy_registry: Any) -> None:
-    """Register ``"ddp_sync_ft"`` (idempotent; torchft is needed only when the strategy is built)."""
+    """Register ``"ddp_sync_ft"`` and ``"model_parallel_sync_ft"`` (idempotent; torchft is needed only when the
+    strategy is built)."""
     if "ddp_sync_ft" not in strategy_registry:
         strategy_registry.register("ddp_sync_ft", FaultTolerantDDPStrategy, start_method="popen",
                                    description="ddp_sync in each replica group, torchft across groups (lsync-ft-run)")
+    if "model_parallel_sync_ft" not in strategy_registry:
+        strategy_registry.register("model_parallel_sync_ft", FaultTolerantModelParallelStrategy,
+                                   description="model_parallel_sync (FSDP2) in each replica group, torchft across "
+                                               "groups (lsync-ft-run)")

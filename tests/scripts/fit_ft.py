@@ -6,6 +6,10 @@ Without it (the control): python tests/scripts/fit_ft.py --out DIR --control [--
 2-rank (N-rank) ddp_sync run of the same model, seed and data; each rank takes the shard a replica group's
 process takes: rank g * P + r that of group g's process r).
 
+``--fsdp``: the MLP's layers are sharded with FSDP2 (``fully_shard`` in ``configure_model``) over the group's
+processes, under ``strategy="model_parallel_sync_ft"`` (the control: ``model_parallel_sync``); the weights
+recorded are the full ones.
+
 An MLP with dropout (``--dropout``, 0.1), momentum SGD, 640 shuffled samples, 16 a group a step. ``--kill-at S``: group 1 SIGKILLs
 itself in its first life in the middle of step S + 1 (before its backward) (lsync-ft-run restarts it; it recovers from group 0;
 ``--kill-at S S2``: in its second life at S2 + 1 too). ``--stop-at S``: group 1 SIGSTOPs itself there instead (frozen), and
@@ -30,6 +34,8 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_sync as ls
@@ -38,11 +44,20 @@ from _ft_pacing import AlonePacer, announce_restart  # (tests/scripts/, the scri
 
 class Model(L.LightningModule):
     def __init__(self, dropout: float, batchnorm: bool = False, invariant: bool = False,
-                 scheduler: bool = False) -> None:
+                 scheduler: bool = False, fsdp: bool = False) -> None:
         super().__init__()
-        self.invariant, self.scheduler = invariant, scheduler
+        self.invariant, self.scheduler, self.fsdp = invariant, scheduler, fsdp
         norm = [nn.BatchNorm1d(32)] if batchnorm else []
         self.net = nn.Sequential(nn.Linear(8, 32), *norm, nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 1))
+
+    def configure_model(self) -> None:  # (--fsdp) each Linear a unit of FSDP2 over the group's processes
+        if not self.fsdp or isinstance(self.net[0].weight, DTensor):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -119,7 +134,7 @@ class Steps(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         report = dict(getattr(trainer.strategy, "ft_report", {}))
-        weights = torch.cat([t.detach().flatten() for t in pl_module.parameters()])
+        weights = full_weights(pl_module)
         line = {"life": self.life, "pid": os.getpid(), "step": trainer.global_step, "t": time.time(), "epoch": trainer.current_epoch, "batch_idx": batch_idx,
                 "batch": float(batch[1].sum()), "weights": float(weights.double().abs().sum()), **report,
                 **{k: float(trainer.callback_metrics[k]) for k in ("loss", "loss_synced") if k in trainer.callback_metrics}}
@@ -128,6 +143,15 @@ class Steps(L.Callback):
         groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
         alone = self.group == 0 and 0 < report.get("participants", groups) < groups and self.faulty
         self.pacer.after_step(alone, after_fault=trainer.global_step > self.first_fault >= 0)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or the whole of it where it is a DTensor (FSDP2's shard: gathered over the group)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_weights(module: nn.Module) -> torch.Tensor:
+    return torch.cat([full(t.detach()).flatten() for t in module.parameters()])
 
 
 def data(seed: int = 0, n: int = 640) -> TensorDataset:
@@ -155,6 +179,7 @@ def main() -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="DDP's bucket_cap_mb (0.0002: this model's gradients in 4 buckets, in flight at once)")
     p.add_argument("--sync-bn", action="store_true", help="Trainer(sync_batchnorm=True)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 in each group: model_parallel_sync_ft")
     p.add_argument("--val", action="store_true", help="a validation loader, every 10 steps (val_loss, sync_dist)")
     p.add_argument("--no-seed", action="store_true", help="the mistake: no seed every group knows")
     p.add_argument("--early-stop", action="store_true",
@@ -174,15 +199,17 @@ def main() -> None:
     if not args.no_seed:
         L.seed_everything(7, verbose=False)
     model = (ManualModel(args.dropout) if args.manual
-             else Model(args.dropout, args.batchnorm, args.invariant, args.scheduler))
+             else Model(args.dropout, args.batchnorm, args.invariant, args.scheduler, args.fsdp))
     if args.control:
         group, life, rank = int(os.environ.get("LOCAL_RANK", "0")), 0, 0
-        strategy: object = ls.SyncDDPStrategy(world_size_invariant=args.invariant, bucket_cap_mb=args.bucket_cap_mb)
+        strategy: object = (ls.SyncModelParallelStrategy(world_size_invariant=args.invariant) if args.fsdp else
+                            ls.SyncDDPStrategy(world_size_invariant=args.invariant, bucket_cap_mb=args.bucket_cap_mb))
         devices = 1 if args.invariant else args.control_devices
     else:
         group, life = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["LSYNC_FT_RESTART"])
-        strategy = ls.FaultTolerantDDPStrategy(world_size_invariant=args.invariant, timeout=args.ft_timeout,
-                                               quorum_timeout=args.quorum_timeout, bucket_cap_mb=args.bucket_cap_mb)
+        kind = ls.FaultTolerantModelParallelStrategy if args.fsdp else ls.FaultTolerantDDPStrategy
+        strategy = kind(world_size_invariant=args.invariant, timeout=args.ft_timeout,
+                        quorum_timeout=args.quorum_timeout, bucket_cap_mb=args.bucket_cap_mb)
         devices, rank = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))  # torchrun's
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=args.steps, logger=False,
                         sync_batchnorm=args.sync_bn, accumulate_grad_batches=args.accumulate,
@@ -201,8 +228,8 @@ def main() -> None:
     if not args.control and life > 0 and rank == 0:
         announce_restart(args.out, group, life)  # (group 0 paces itself by it: wait_for_restarts)
     trainer.fit(model, DataLoader(data(n=args.samples), batch_size=32 if args.invariant else 16, shuffle=True), val)
-    weights = torch.cat([t.detach().flatten() for t in model.parameters()])
-    torch.save({"weights": weights, "state": model.state_dict(), "life": life, "global_step": trainer.global_step,
+    weights = full_weights(model)
+    torch.save({"weights": weights, "state": {k: full(v) for k, v in model.state_dict().items()}, "life": life, "global_step": trainer.global_step,
                 "report": dict(getattr(trainer.strategy, "ft_report", {}))},
                args.out / (f"group{group}.pt" if rank == 0 else f"group{group}r{rank}.pt"))
 

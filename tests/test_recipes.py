@@ -305,11 +305,12 @@ def test_world_size_invariance_one_two_three_ranks_and_the_summed_loss(tmp_path:
 
 @pytest.mark.slow
 @ONE_RUN
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_fault_tolerant_ddp_a_killed_group_recovers_and_both_end_equal(tmp_path: Path, nproc: int) -> None:
+@pytest.mark.parametrize("nproc, fsdp", [(1, []), (2, []), (2, ["--fsdp"])])
+def test_fault_tolerant_ddp_a_killed_group_recovers_and_both_end_equal(tmp_path: Path, nproc: int,
+                                                                       fsdp: list[str]) -> None:
     out = run([sys.executable, "-m", "lightning_sync.ft.launch", "--replicas", "2", "--min-replicas", "2",
                "--nproc-per-replica", str(nproc), "--", sys.executable, str(RECIPES / "fault_tolerant_ddp.py"),
-               "--kill-at", "8", "--max-steps", "20"], tmp_path)
+               "--kill-at", "8", "--max-steps", "20", *fsdp], tmp_path)
     lines = {int(m.group(1)): m for m in re.finditer(
         r"replica group (\d) \(life (\d)\): step (\d+), weights checksum (\S+), committed (\d+), run again (\d+), "
         r"missing shards (\d+), recovered (\d+)", out)}

@@ -553,13 +553,17 @@ def test_a_process_killed_in_a_group_of_two_ends_its_group_and_the_restarted_gro
 @pytest.mark.timeout(360)
 def test_fsdp2_groups_of_two_processes_train_what_four_ddp_ranks_train(tmp_path: Path) -> None:
     """model_parallel_sync_ft (--fsdp): FSDP2 inside each group of 2 processes (process r holds shard r of every
-    layer), no fault. The gradient shards averaged in the group (FSDP2's reduce-scatter) then across the groups
+    layer), no fault, a BatchNorm layer (its batch statistics each process's own, as under ddp without
+    SyncBatchNorm). The gradient shards averaged in the group (FSDP2's reduce-scatter) then across the groups
     (process r with process r, in 4 buckets) are the 4-rank ddp_sync run's mean: every process's full weights end
     within float rounding of that run's (the same data shard and dropout stream as rank g * 2 + r)."""
-    args = ["--steps", "24"]
+    args = ["--steps", "24", "--batchnorm"]
     proc = _ft_run(tmp_path / "ft", ["--replicas", "2", "--nproc-per-replica", "2"],
                    [*args, "--fsdp", "--bucket-cap-mb", "0.0002"], script=FIT, timeout=240)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    # (the BatchNorm layer trains on each process's rows, as under ddp; the warning names what helps under FSDP2)
+    assert "model_parallel_sync_ft: BatchNorm layers net.1 compute their batch statistics" in proc.stderr
+    assert "ModelParallelStrategy ignores Trainer(sync_batchnorm=True)" in proc.stderr
     _control(tmp_path / "control", *args, "--control-devices", "4")
     for mine, rank in _PROCESSES.items():
         ours, theirs = torch.load(tmp_path / "ft" / f"{mine}.pt"), torch.load(tmp_path / "control" / f"{rank}.pt")

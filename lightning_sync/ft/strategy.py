@@ -755,14 +755,20 @@ class _FaultTolerancePart(Part):
                  and not isinstance(m, SyncBatchNorm) and m.training]
         if norms:
             invariant = self._strategy.part(WorldSizeInvariantPart) is not None
+            sharded = isinstance(self._strategy, FaultTolerantModelParallelStrategy)
+            fix = (". Lightning's ModelParallelStrategy ignores Trainer(sync_batchnorm=True) (and FSDP2 synchronises "
+                   "no buffer): use a normalisation without batch statistics (LayerNorm, GroupNorm), or "
+                   "strategy=\"ddp_sync_ft\" with sync_batchnorm=True" if sharded else
+                   ". Pass Trainer(sync_batchnorm=True): under ddp_sync_ft it synchronises them over every live "
+                   "replica group's processes (lightning_sync.SyncBatchNorm; a layer left out of the conversion stays "
+                   "as it is)")
             rank_zero_warn(
-                f"ddp_sync_ft: BatchNorm layers {', '.join(norms[:5])}{', ...' if len(norms) > 5 else ''} compute "
+                f"{self._strategy.strategy_name}: BatchNorm layers {', '.join(norms[:5])}"
+                f"{', ...' if len(norms) > 5 else ''} compute "
                 "their batch statistics over this process's own rows (torch's SyncBatchNorm: over its replica "
                 "group's), not every replica group's, so training depends on how many groups take part in a step"
                 + (", and world_size_invariant=True does not give the one-process model" if invariant else "")
-                + ". Pass Trainer(sync_batchnorm=True): under ddp_sync_ft it synchronises them over every live "
-                "replica group's processes (lightning_sync.SyncBatchNorm; a layer left out of the conversion stays "
-                "as it is).")
+                + fix + ".")
 
     def after_teardown(self, strategy: Any) -> None:
         self.release_exchange()

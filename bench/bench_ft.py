@@ -4,6 +4,7 @@
     python bench/bench_ft.py --width 1024          # a step of ~20 ms on 2 cores: the fixed cost amortised
     python bench/bench_ft.py --width 1024 --depth 6 --bucket-cap-mb 4   # 6 gradient buckets: comm overlaps backward
     python bench/bench_ft.py --replicas 3          # 3 replica groups vs 3 ddp_sync ranks (issue 43's comparison)
+    python bench/bench_ft.py --fsdp --nproc-per-replica 2 --width 1024 --depth 4   # FSDP2 in groups of 2 processes
     python bench/bench_ft.py --recovery            # 3 groups, group 1 SIGKILLed: the survivors' stall, the return
 
 The same MLP (32 -> width, ``--depth`` width -> width layers (1), -> 1; batch 64 a rank, a BatchNorm layer, one
@@ -15,6 +16,11 @@ trained for ``--steps`` steps two ways, alternated ABBA after a dropped warm-up 
 * ``ddp_sync_ft``: ``lsync-ft-run --replicas N``, N replica groups of one process each (a quorum at every step
   through torchft's lighthouse on loopback, the gradient buckets and BatchNorm buffers averaged / broadcast over
   torchft's process group, ``find_unused_parameters=True``, the step boundary kept for a recovering group).
+
+``--nproc-per-replica P``: each group is P processes under torchrun (``devices=P``), against ``N * P`` ranks.
+``--fsdp``: FSDP2 (each Linear a unit, ``fully_shard`` in ``configure_model``) under ``model_parallel_sync_ft`` in
+each group, against ``model_parallel_sync`` on ``N * P`` ranks; the gradient shards cross the groups after the
+backward, in buckets of ``--bucket-cap-mb``.
 
 Each rank / group trains 64 rows a step of its own shard (``N * 64`` rows a step in all, the data set sized so
 that ``--steps`` steps are one epoch at every N). N processes on fewer cores than N (3 on a 2-core host) share
@@ -50,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1, replicas: int = 2, depth: int = 1,
-           bucket_cap_mb: float = 25.0) -> None:
+           bucket_cap_mb: float = 25.0, nproc: int = 1, fsdp: bool = False) -> None:
     """One fit (a rank of ``ddp_sync``, or a replica group of ``ddp_sync_ft``); rank 0 / group 0 writes ``out``
     (``kill_at`` >= 0: every group appends a line a step to ``out``.group<g>, and group 1 dies in that step;
     ``replicas``: the ``ddp_sync`` ranks, and the replica groups the data set is sized for)."""
@@ -74,6 +80,16 @@ def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1, repl
             self.net = nn.Sequential(nn.Linear(32, width), nn.BatchNorm1d(width), nn.ReLU(), *hidden,
                                      nn.Linear(width, 1))
             self._t = 0.0
+
+        def configure_model(self) -> None:  # (--fsdp) each Linear a unit of FSDP2 over the group's processes
+            if fsdp and not hasattr(self.net[0].weight, "full_tensor"):
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for layer in self.net:
+                    if isinstance(layer, nn.Linear):
+                        fully_shard(layer, mesh=mesh)
+                fully_shard(self.net, mesh=mesh)
 
         def on_train_batch_start(self, batch, batch_idx):  # type: ignore[no-untyped-def]
             now = time.perf_counter()
@@ -105,11 +121,12 @@ def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1, repl
 
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(64 * replicas * steps, 32, generator=g)
+    x = torch.randn(64 * replicas * nproc * steps, 32, generator=g)
     data = TensorDataset(x, x[:, 0] + 0.1 * torch.randn(len(x), generator=g))
     if mode == "ft":
-        strategy: object = ls.FaultTolerantDDPStrategy(bucket_cap_mb=bucket_cap_mb)
-        devices = 1
+        strategy: object = (ls.FaultTolerantModelParallelStrategy(bucket_cap_mb=bucket_cap_mb) if fsdp
+                            else ls.FaultTolerantDDPStrategy(bucket_cap_mb=bucket_cap_mb))
+        devices = nproc
         for name in inner:  # timed on this instance: what the step boundary and the quorum take a step
             method = getattr(strategy, name)
 
@@ -122,7 +139,8 @@ def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1, repl
 
             setattr(strategy, name, timed)
     else:
-        strategy, devices = ls.SyncDDPStrategy(bucket_cap_mb=bucket_cap_mb), replicas
+        strategy = ls.SyncModelParallelStrategy() if fsdp else ls.SyncDDPStrategy(bucket_cap_mb=bucket_cap_mb)
+        devices = replicas * nproc
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(MLP(), DataLoader(data, batch_size=64, shuffle=True))
@@ -133,12 +151,12 @@ def worker(mode: str, steps: int, out: Path, width: int, kill_at: int = -1, repl
 
 
 def run_once(mode: str, steps: int, out: Path, width: int, replicas: int, depth: int,
-             bucket_cap_mb: float) -> dict[str, float]:
+             bucket_cap_mb: float, nproc: int = 1, fsdp: bool = False) -> dict[str, float]:
     me = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--steps", str(steps), "--out", str(out),
           "--width", str(width), "--replicas", str(replicas), "--depth", str(depth), "--bucket-cap-mb",
-          str(bucket_cap_mb)]
+          str(bucket_cap_mb), "--nproc-per-replica", str(nproc), *(["--fsdp"] if fsdp else [])]
     cmd = me if mode == "ddp" else [sys.executable, "-m", "lightning_sync.ft.launch", "--replicas", str(replicas),
-                                    "--", *me]
+                                    "--nproc-per-replica", str(nproc), "--", *me]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"bench_ft: the {mode} run failed:\n{proc.stderr[-3000:]}")
@@ -183,6 +201,10 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=2,
                    help="replica groups of ddp_sync_ft, and ranks of ddp_sync, compared (default 2; not --recovery, "
                    "which runs 3)")
+    p.add_argument("--nproc-per-replica", type=int, default=1,
+                   help="processes a replica group (torchrun), against --replicas x this many ranks")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2: model_parallel_sync_ft in each group against model_parallel_sync")
     p.add_argument("--recovery", action="store_true", help="time a group's loss and return instead")
     p.add_argument("--kill-at", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--heartbeats", type=int, nargs="+", default=[5000, 1000],
@@ -192,7 +214,7 @@ def main() -> None:
         p.error(f"--replicas {args.replicas}: give 1 or more (the replica groups, and ddp_sync's ranks, compared)")
     if args.worker:
         worker(args.worker, args.steps, args.out, args.width, args.kill_at, args.replicas, args.depth,
-               args.bucket_cap_mb)
+               args.bucket_cap_mb, args.nproc_per_replica, args.fsdp)
         return
     if args.recovery:
         steps = max(args.steps, 1500)  # the survivors still train when the restarted group is back
@@ -210,22 +232,23 @@ def main() -> None:
         order = ["ddp", "ft"] + [m for _ in range(args.rounds) for m in ("ddp", "ft", "ft", "ddp")]
         for i, mode in enumerate(order):
             result = run_once(mode, args.steps, Path(tmp) / f"{i}.json", args.width, args.replicas, args.depth,
-                              args.bucket_cap_mb)
+                              args.bucket_cap_mb, args.nproc_per_replica, args.fsdp)
             if i >= 2:  # the first run of each: warm-up (file caches, the lighthouse binary)
                 results[mode].append(result)
     ddp = statistics.median(r["step_ms"] for r in results["ddp"])
     ft = statistics.median(r["step_ms"] for r in results["ft"])
     boundary = statistics.median(r.get("mark_step_boundary_ms", float("nan")) for r in results["ft"])
     quorum = statistics.median(r.get("start_quorum_ms", float("nan")) for r in results["ft"])
-    n, cores = args.replicas, os.cpu_count() or 0
-    print(f"bench_ft: {n} CPU processes on {cores} cores, {args.steps} steps of batch 64 a rank, MLP width "
+    n, per, cores = args.replicas, args.nproc_per_replica, os.cpu_count() or 0
+    base, ours = ("model_parallel_sync", "model_parallel_sync_ft") if args.fsdp else ("ddp_sync", "ddp_sync_ft")
+    print(f"bench_ft: {n * per} CPU processes on {cores} cores, {args.steps} steps of batch 64 a rank, MLP width "
           f"{args.width}, depth {args.depth}, bucket_cap_mb {args.bucket_cap_mb:g}, {args.rounds} ABBA rounds "
           "(median loop iteration of each run, median over runs)")
-    print(f"  ddp_sync ({n} ranks)          {ddp:7.3f} ms a step   runs: "
+    print(f"  {base} ({n * per} ranks)".ljust(44) + f"{ddp:7.3f} ms a step   runs: "
           + " ".join(f"{r['step_ms']:.2f}" for r in results["ddp"]))
-    print(f"  ddp_sync_ft ({n} groups of 1) {ft:7.3f} ms a step   runs: "
+    print(f"  {ours} ({n} groups of {per})".ljust(44) + f"{ft:7.3f} ms a step   runs: "
           + " ".join(f"{r['step_ms']:.2f}" for r in results["ft"]))
-    print(f"  steps/s ratio ft / ddp_sync: {ddp / ft:.3f}; inside an ft step: quorum {quorum:.3f} ms, step boundary "
+    print(f"  steps/s ratio {ours} / {base}: {ddp / ft:.3f}; inside an ft step: quorum {quorum:.3f} ms, step boundary "
           f"bookkeeping {boundary:.3f} ms")
 
 

@@ -192,7 +192,8 @@ class _FaultTolerance(_Base):
             "interrupted is run again on the same batch, and the optimizer steps only if torchft commits it), while "
             "a manual training_step calls backward and optimizer.step() itself, so a failed step could be neither "
             "run again nor held back. Use automatic optimisation (leave automatic_optimization True and return the "
-            "loss from training_step), or strategy=\"ddp_sync\" without fault tolerance.")
+            f"loss from training_step), or strategy=\"{self.strategy_name.removesuffix('_ft')}\" without fault "
+            "tolerance.")
         _refuse(message)
 
     @property
@@ -510,7 +511,7 @@ class _FaultTolerance(_Base):
         if self._received is None and manager.errored() is not None:
             raise LightningSyncError(
                 f"ddp_sync_ft: {group}: recovering from a live group failed ({manager.errored()}); it does not start "
-                "from the beginning instead. Raise FaultTolerantDDPStrategy(timeout=...) if the transfer timed out.")
+                f"from the beginning instead. Raise {type(self).__name__}(timeout=...) if the transfer timed out.")
         if (self._received is None and self.replica_group.restart > 0
                 and manager.num_participants() < self.replica_group.num_groups):
             raise LightningSyncError(
@@ -646,8 +647,14 @@ class FaultTolerantModelParallelStrategy(_FaultTolerance, SyncModelParallelStrat
 
     Args:
         bucket_cap_mb: the most megabytes of gradient shards a process sends across the groups in one all-reduce
-            (default 25, DDP's default bucket). Two buckets are in flight at most: the memory this costs is at
-            most twice that, whatever the model's size.
+            (default 25, DDP's default bucket; a larger shard goes alone). Two buckets are in flight at most: the
+            memory this costs is at most twice the larger of that and the largest gradient shard, whatever the
+            model's size.
+
+    ``timeout`` is torchft's (seconds), as under :class:`FaultTolerantDDPStrategy`: the group's own process group
+    keeps Lightning's default timeout. ``on_after_backward`` sees the gradients averaged over the group (FSDP2's
+    reduce-scatter); they are averaged across the groups after the closure, before gradient clipping and
+    ``on_before_optimizer_step``.
     """
 
     strategy_name = "model_parallel_sync_ft"
@@ -707,27 +714,32 @@ class FaultTolerantModelParallelStrategy(_FaultTolerance, SyncModelParallelStrat
         own = get_model_state_dict(self.model, options=options)
         set_model_state_dict(self.model, {k: _as_shard_of(v, own.get(k)) for k, v in checkpoint["state_dict"].items()},
                              options=options)
-        params = dict(self.model.named_parameters())
+        # (the optimizer state's names are the state dict's: without torch.compile's or activation
+        # checkpointing's wrapper prefixes, which named_parameters keeps)
         for optimizer, state in zip(trainer.optimizers if trainer is not None else (), checkpoint["optimizer_states"]):
-            shards = {"state": {name: {k: _as_shard_of(v, params.get(name)) for k, v in entries.items()}
+            shards = {"state": {name: {k: _as_shard_of(v, own.get(name)) for k, v in entries.items()}
                                 for name, entries in state["state"].items()},
                       "param_groups": state["param_groups"]}
             set_optimizer_state_dict(self.model, optimizer, shards, options=options)
 
     def _average_across_groups(self) -> None:
         """Each gradient shard of this process averaged with process ``r``'s of the quorum's other groups: flat
-        buckets of ``bucket_cap_mb`` (the parameters in order, every group alike), two in flight at most. A
-        parameter without a gradient here sends zeros, and takes the mean where another group's was not zero
-        (as DDP does with ``find_unused_parameters``)."""
+        buckets of ``bucket_cap_mb`` (the parameters in order, every group alike), two in flight at most. Each
+        bucket ends with a flag a parameter (1: it has a gradient in this group); a parameter without a gradient
+        here sends zeros, and takes the mean, zeros included, where some group's flag says it had one: one decision
+        for every process of every group (FSDP2 gives a group's processes the same gradients or none), as DDP
+        decides a globally unused parameter."""
         ctx = self._ctx
         assert ctx is not None and self.model is not None
         cap = max(1, int(self.bucket_cap_mb * 2**20))
         pending: collections.deque[tuple[list[_GradShard], torch.Tensor, Any]] = collections.deque()
         for bucket in _gradient_buckets(self.model, cap):
-            flat = torch.cat([shard.flat() for shard in bucket])
-            pending.append((bucket, flat, ctx.allreduce_mean(flat)))
-            if len(pending) > 2:
+            if len(pending) == 2:  # (two flat buckets at most: the oldest put back before the next is made)
                 _put_back(*pending.popleft())
+            used = torch.tensor([float(shard.local is not None) for shard in bucket], dtype=bucket[0].dtype,
+                                device=bucket[0].device)
+            flat = torch.cat([*(shard.flat() for shard in bucket), used])
+            pending.append((bucket, flat, ctx.allreduce_mean(flat)))
         while pending:
             _put_back(*pending.popleft())
 
@@ -1018,13 +1030,15 @@ def _put_back(bucket: list[_GradShard], flat: torch.Tensor, averaged: Any) -> No
 
     averaged.wait()
     offset = 0
+    # the flags after the gradients: read only where this group has a parameter without a gradient (a host sync)
+    used = flat[-len(bucket):].tolist() if any(shard.local is None for shard in bucket) else None
     with torch.no_grad():
-        for shard in bucket:
+        for i, shard in enumerate(bucket):
             mean = flat[offset:offset + shard.numel].view(shard.shape)
             offset += shard.numel
             if shard.local is not None:
                 shard.local.copy_(mean)
-            elif bool(mean.any()):  # (a parameter unused here, used by another group: rare)
+            elif used is not None and used[i] > 0:  # (a parameter unused here, used by another group: rare)
                 p = shard.param
                 shard.param.grad = (DTensor.from_local(mean.clone(), p.device_mesh, p.placements, run_check=False,
                                                        shape=p.shape, stride=p.stride())

@@ -73,6 +73,7 @@ __all__ = [
     "seen_batch_indices",
     "process_group_timeout",
     "set_launcher",
+    "ensure_launcher",
     "set_main_port",
     "set_layer_sync",
     "set_num_threads_if_needed",
@@ -184,6 +185,17 @@ def _fit_impl_fits() -> bool:
 def set_launcher(strategy: DDPStrategy, launcher: Any) -> None:
     """Replace the launcher Lightning built (called from the strategy's ``_configure_launcher`` override)."""
     strategy._launcher = launcher
+
+
+def ensure_launcher(strategy: Any) -> Any:
+    """The strategy's launcher; where Lightning built none (``ModelParallelStrategy`` where the processes exist
+    already: torchrun, a rank it started), first a script launcher, as ``DDPStrategy`` always builds: it starts no
+    process there and just calls the function, and gives a part's step before ``fit`` (auto-resume, ``ddp_sync_ft``'s
+    recovery from a live group) a place to run."""
+    if strategy.launcher is None:
+        set_launcher(strategy, SubprocessScriptLauncher(strategy.cluster_environment, strategy.num_processes,
+                                                        strategy.num_nodes))
+    return strategy.launcher
 
 
 def set_main_port(environment: Any, port: int) -> bool:

@@ -805,13 +805,7 @@ class _FaultTolerancePart(Part):
             self._strategy._in_step_with_others = True
 
     def configure_launcher(self, strategy: Any) -> None:
-        if strategy.launcher is None and strategy.cluster_environment is not None:
-            # ModelParallelStrategy under torchrun has none: one that starts no process (DDP's there), where a
-            # restarted group's fit is pointed at a live group
-            _compat.set_launcher(strategy, _compat.SubprocessScriptLauncher(
-                strategy.cluster_environment, strategy.num_processes, strategy.num_nodes))
-        if strategy.launcher is not None:
-            _recover_from_peer(self._strategy)
+        _recover_from_peer(self._strategy)  # (under torchrun too: _compat.ensure_launcher)
 
 
 def _recover_from_peer(strategy: _FaultTolerance) -> None:
@@ -822,7 +816,7 @@ def _recover_from_peer(strategy: _FaultTolerance) -> None:
         strategy._peer_checkpoint = _LivePeerCheckpoint(FT_PEER)
         return strategy._peer_checkpoint
 
-    fill_fit_ckpt_path(strategy.launcher, live_peer)
+    fill_fit_ckpt_path(_compat.ensure_launcher(strategy), live_peer)
 
 
 class _StepBoundary(pl.Callback):
@@ -1040,9 +1034,9 @@ def _put_back(bucket: list[_GradShard], flat: torch.Tensor, averaged: Any) -> No
                 shard.local.copy_(mean)
             elif used is not None and used[i] > 0:  # (a parameter unused here, used by another group: rare)
                 p = shard.param
-                shard.param.grad = (DTensor.from_local(mean.clone(), p.device_mesh, p.placements, run_check=False,
-                                                       shape=p.shape, stride=p.stride())
-                                    if isinstance(p, DTensor) else mean.clone())
+                p.grad = (DTensor.from_local(mean.clone(), p.device_mesh, p.placements, run_check=False,
+                                             shape=p.shape, stride=p.stride())
+                          if isinstance(p, DTensor) else mean.clone())
 
 
 # DDP compares the hook's annotations with the objects themselves (this module's are strings)

@@ -43,10 +43,4 @@ class ResumableDataPart(Part):
         if self.resume_arg is not None:
             from lightning_sync.resume.auto import auto_resume_directories, install_auto_resume
 
-            if strategy.launcher is None:
-                # ModelParallelStrategy builds no launcher where the processes exist already (torchrun, a
-                # rank it started): Lightning then calls fit directly. A script launcher, as DDPStrategy
-                # always builds, just calls the function there, and gives auto-resume its step.
-                _compat.set_launcher(strategy, _compat.SubprocessScriptLauncher(
-                    strategy.cluster_environment, strategy.num_processes, strategy.num_nodes))
-            install_auto_resume(strategy.launcher, auto_resume_directories(self.resume_arg))
+            install_auto_resume(_compat.ensure_launcher(strategy), auto_resume_directories(self.resume_arg))
